@@ -1,0 +1,1 @@
+"""The Jet-Nemotron model, written against `jetserve.ops` only."""

@@ -1,0 +1,1 @@
+"""Kernels, one package per op (reference beside Triton variants); the backend switch is in `backend.py`."""

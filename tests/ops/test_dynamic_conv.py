@@ -1,0 +1,250 @@
+"""Dynamic conv: the reference against a direct per-token formulation, and the Triton kernels against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jetserve.ops.dynamic_conv import reference as ref
+
+SENTINEL = 1234.5  # fills slots an op must neither read nor write
+
+
+def naive_sequence(
+    u: torch.Tensor, h: torch.Tensor, w2_weight: torch.Tensor, w2_bias: torch.Tensor, window: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DESIGN.md §1 step 2 for one sequence, one token at a time in float64: (silu(v̂) [L, D], final window [W-1, D])."""
+    width = window.shape[0] + 1
+    history = [row.double() for row in window]  # oldest first
+    outputs = []
+    for t in range(u.shape[0]):
+        history.append(u[t].double())
+        kappa = (w2_weight.double() @ h[t].double() + w2_bias.double()).view(-1, width)  # [D, W], tap fastest
+        v_hat = sum(kappa[:, j] * history[len(history) - width + j] for j in range(width))  # [D]
+        outputs.append(F.silu(v_hat))
+    out = torch.stack(outputs) if outputs else u.new_zeros(0, u.shape[1], dtype=torch.float64)
+    return out, torch.stack(history[-(width - 1) :])
+
+
+def make_weights(d: int, g: int, width: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w2_weight = (torch.randn(d * width, g, generator=gen) / g**0.5).to(dtype)  # [D*W, G]
+    w2_bias = (torch.randn(d * width, generator=gen) * 0.3).to(dtype)  # [D*W]
+    return w2_weight, w2_bias
+
+
+def make_pool(num_slots: int, width: int, d: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_slots, width - 1, d, generator=gen).to(dtype)  # [S, W-1, D]
+
+
+def random_tree(num_nodes: int, gen: torch.Generator, min_depth: int = 1) -> list[int]:
+    """Parents of a random tree in topological order: node 0 is the root (parent -1); nodes below `min_depth` form a
+    chain, so some path holds at least `min_depth` nodes."""
+    return [j - 1 if j < min_depth else int(torch.randint(0, j, (1,), generator=gen)) for j in range(num_nodes)]
+
+
+def ancestry(parents: list[int], node: int) -> list[int]:
+    """Root-first path from node 0 to `node`."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference against the direct formulation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [4, 2, 3])
+def test_reference_prefill_matches_naive(width: int) -> None:
+    d, g, num_slots = 24, 8, 12
+    lengths = [1, 2, width - 1, width, 63, 65, 1, 2]
+    has_init = [True, False, True, False, True, False, True, True]
+    slots = [3, 7, 1, 10, 5, 8, 2, 11]
+    gen = torch.Generator().manual_seed(width)
+    w2_weight, w2_bias = make_weights(d, g, width)
+    pool = make_pool(num_slots, width, d)
+    for s, init in zip(slots, has_init, strict=True):
+        if not init:
+            pool[s] = float("nan")  # a slot without initial state must not be read
+    unused = [s for s in range(num_slots) if s not in slots]
+    pool[unused] = SENTINEL
+    before = pool.clone()
+    total = sum(lengths)
+    u = torch.randn(total, d, generator=gen)
+    h = torch.randn(total, g, generator=gen)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+    out = ref.dynamic_conv_prefill(
+        u, h, w2_weight, w2_bias, pool, cu, torch.tensor(slots, dtype=torch.int32), torch.tensor(has_init)
+    )
+
+    assert out.shape == (total, d) and out.dtype == u.dtype and torch.isfinite(out).all()
+    for i, (s, init) in enumerate(zip(slots, has_init, strict=True)):
+        window = before[s] if init else torch.zeros(width - 1, d)
+        expect_out, expect_window = naive_sequence(
+            u[cu[i] : cu[i + 1]], h[cu[i] : cu[i + 1]], w2_weight, w2_bias, window
+        )
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].double(), expect_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[s].double(), expect_window, rtol=0, atol=0)
+    assert_same_bits(pool[unused], before[unused])
+
+
+def test_reference_prefill_short_sequence_keeps_old_window_rows() -> None:
+    width, d, g = 4, 8, 4
+    w2_weight, w2_bias = make_weights(d, g, width)
+    pool = make_pool(4, width, d)
+    before = pool.clone()
+    u = torch.randn(3, d)
+    h = torch.randn(3, g)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    ref.dynamic_conv_prefill(
+        u, h, w2_weight, w2_bias, pool, cu, torch.tensor([2, 1], dtype=torch.int32), torch.tensor([True, True])
+    )
+    torch.testing.assert_close(pool[2], torch.cat([before[2, 1:], u[0:1]]), rtol=0, atol=0)
+    torch.testing.assert_close(pool[1], torch.cat([before[1, 2:], u[1:3]]), rtol=0, atol=0)
+    assert_same_bits(pool[[0, 3]], before[[0, 3]])
+
+
+def test_reference_prefill_then_decode_equals_whole_prefill() -> None:
+    width, d, g = 4, 16, 6
+    gen = torch.Generator().manual_seed(3)
+    w2_weight, w2_bias = make_weights(d, g, width)
+    lengths = [5, 1, 2]
+    num_decode = 4
+    whole = [n + num_decode for n in lengths]
+    seqs_u = [torch.randn(n, d, generator=gen) for n in whole]
+    seqs_h = [torch.randn(n, g, generator=gen) for n in whole]
+    slots = torch.tensor([2, 4, 1], dtype=torch.int32)
+    no_init = torch.zeros(3, dtype=torch.bool)
+
+    pool_whole = make_pool(5, width, d)
+    cu_whole = torch.tensor([0] + torch.tensor(whole).cumsum(0).tolist(), dtype=torch.int32)
+    out_whole = ref.dynamic_conv_prefill(
+        torch.cat(seqs_u), torch.cat(seqs_h), w2_weight, w2_bias, pool_whole, cu_whole, slots, no_init
+    )
+
+    pool = make_pool(5, width, d)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    u_prefix = torch.cat([x[:n] for x, n in zip(seqs_u, lengths, strict=True)])
+    h_prefix = torch.cat([x[:n] for x, n in zip(seqs_h, lengths, strict=True)])
+    out_prefix = ref.dynamic_conv_prefill(u_prefix, h_prefix, w2_weight, w2_bias, pool, cu, slots, no_init)
+    outs = [[out_prefix[cu[i] : cu[i + 1]]] for i in range(3)]
+    for step in range(num_decode):
+        u_step = torch.stack([x[n + step] for x, n in zip(seqs_u, lengths, strict=True)])
+        h_step = torch.stack([x[n + step] for x, n in zip(seqs_h, lengths, strict=True)])
+        out_step = ref.dynamic_conv_decode(u_step, h_step, w2_weight, w2_bias, pool, slots)
+        for i in range(3):
+            outs[i].append(out_step[i : i + 1])
+    torch.testing.assert_close(torch.cat([torch.cat(o) for o in outs]), out_whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool[slots.long()], pool_whole[slots.long()], rtol=0, atol=0)
+
+
+def _verify_case(num_seqs: int, num_nodes: int, width: int, d: int, g: int, seed: int, chain: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    w2_weight, w2_bias = make_weights(d, g, width, seed=seed)
+    pool = make_pool(num_seqs + 3, width, d, seed=seed)
+    slots = torch.randperm(num_seqs + 2, generator=gen)[:num_seqs].to(torch.int32) + 1
+    parents = [list(range(-1, num_nodes - 1)) if chain else random_tree(num_nodes, gen) for _ in range(num_seqs)]
+    u = torch.randn(num_seqs * num_nodes, d, generator=gen)
+    h = torch.randn(num_seqs * num_nodes, g, generator=gen)
+    return w2_weight, w2_bias, pool, slots, torch.tensor(parents, dtype=torch.int32), u, h
+
+
+@pytest.mark.parametrize("width", [4, 3])
+def test_reference_verify_equals_chain_prefill_of_each_ancestry(width: int) -> None:
+    num_seqs, num_nodes, d, g = 3, 8, 24, 8
+    w2_weight, w2_bias, pool, slots, parents, u, h = _verify_case(num_seqs, num_nodes, width, d, g, seed=width)
+    before = pool.clone()
+    out = ref.dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents)
+    assert_same_bits(pool, before)
+    assert torch.isfinite(out).all()
+    for i in range(num_seqs):
+        for j in range(num_nodes):
+            path = [i * num_nodes + a for a in ancestry(parents[i].tolist(), j)]
+            expect, _ = naive_sequence(u[path], h[path], w2_weight, w2_bias, before[slots[i]])
+            torch.testing.assert_close(out[i * num_nodes + j].double(), expect[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_reference_verify_chain_equals_prefill() -> None:
+    num_seqs, num_nodes, width, d, g = 2, 6, 4, 16, 8
+    w2_weight, w2_bias, pool, slots, parents, u, h = _verify_case(num_seqs, num_nodes, width, d, g, seed=5, chain=True)
+    out = ref.dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32) * num_nodes
+    out_prefill = ref.dynamic_conv_prefill(
+        u, h, w2_weight, w2_bias, pool, cu, slots, torch.ones(num_seqs, dtype=torch.bool)
+    )
+    torch.testing.assert_close(out, out_prefill, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_commit_equals_prefill_of_accepted_tokens() -> None:
+    num_seqs, num_nodes, width, d, g = 4, 8, 4, 24, 8
+    w2_weight, w2_bias, pool, slots, parents, u, h = _verify_case(num_seqs, num_nodes, width, d, g, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    accepted = torch.full((num_seqs, num_nodes), -1, dtype=torch.int32)
+    num_accepted = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    accepted[0, 0] = 0
+    for i in range(1, num_seqs):
+        path = ancestry(parents[i].tolist(), int(torch.randint(1, num_nodes, (1,), generator=gen)))
+        accepted[i, : len(path)] = torch.tensor(path)
+        num_accepted[i] = len(path)
+    num_accepted[1] = 0  # a padded row: its window stays as it was
+    expect_pool = pool.clone()
+    for i in range(num_seqs):
+        rows = [i * num_nodes + int(a) for a in accepted[i, : num_accepted[i]]]
+        if rows:
+            _, window = naive_sequence(u[rows], h[rows], w2_weight, w2_bias, expect_pool[slots[i]])
+            expect_pool[slots[i]] = window.float()
+    ref.dynamic_conv_commit(u, pool, slots, accepted, num_accepted)
+    assert_same_bits(pool, expect_pool)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_reference_verify_commit_rounds_equal_prefill_of_accepted(chain: bool) -> None:
+    """Several rounds with acceptance 3, 1, 4, 1, 2: each round's verify output equals the prefill of the accepted
+    history plus the node's path, and the final window equals one prefill of every accepted token."""
+    num_nodes, width, d, g = 6, 4, 16, 8
+    gen = torch.Generator().manual_seed(11)
+    w2_weight, w2_bias = make_weights(d, g, width)
+    pool = make_pool(3, width, d)
+    slot = torch.tensor([2], dtype=torch.int32)
+    start_window = pool[2].clone()
+    history_u, history_h = [], []
+    for count in [3, 1, 4, 1, 2]:
+        parents = list(range(-1, num_nodes - 1)) if chain else random_tree(num_nodes, gen, min_depth=4)
+        u = torch.randn(num_nodes, d, generator=gen)
+        h = torch.randn(num_nodes, g, generator=gen)
+        out = ref.dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slot, torch.tensor([parents], dtype=torch.int32))
+        deepest = max(range(num_nodes), key=lambda j: len(ancestry(parents, j)))
+        path = ancestry(parents, deepest)[:count]
+        for j in path:
+            rows = ancestry(parents, j)
+            expect, _ = naive_sequence(
+                torch.cat(history_u + [u[rows]]), torch.cat(history_h + [h[rows]]), w2_weight, w2_bias, start_window
+            )
+            torch.testing.assert_close(out[j].double(), expect[-1], rtol=1e-5, atol=1e-5)
+        accepted = torch.full((1, num_nodes), -1, dtype=torch.int32)
+        accepted[0, :count] = torch.tensor(path)
+        ref.dynamic_conv_commit(u, pool, slot, accepted, torch.tensor([count], dtype=torch.int32))
+        history_u.append(u[path])
+        history_h.append(h[path])
+    _, expect_window = naive_sequence(torch.cat(history_u), torch.cat(history_h), w2_weight, w2_bias, start_window)
+    torch.testing.assert_close(pool[2].double(), expect_window, rtol=0, atol=0)
+
+
+def test_reference_rejects_mismatched_shapes() -> None:
+    w2_weight, w2_bias = make_weights(8, 4, 4)
+    pool = make_pool(2, 3, 8)  # W = 3 does not match w2's D*W = 32
+    with pytest.raises(ValueError, match="w2_weight"):
+        ref.dynamic_conv_decode(
+            torch.randn(1, 8), torch.randn(1, 4), w2_weight, w2_bias, pool, torch.tensor([1], dtype=torch.int32)
+        )

@@ -1,0 +1,339 @@
+"""Gated delta rule: the reference against a direct per-token loop, and its prefill/decode/verify/commit identities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jetserve.ops.gated_delta_rule import reference as ref
+
+H, K, V = 3, 16, 8
+NUM_SLOTS = 7
+
+
+def make_params(num_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_log, dt_bias `[H]` fp32 with decays from slow to fast, so states neither vanish nor stay constant."""
+    A_log = torch.log(torch.rand(num_heads, generator=gen) * 0.5 + 0.02)
+    dt_bias = torch.randn(num_heads, generator=gen) * 0.5
+    return A_log, dt_bias
+
+
+def make_tokens(
+    T: int, num_heads: int, k_dim: int, v_dim: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Raw q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]`."""
+    return {
+        "q": torch.randn(T, num_heads, k_dim, generator=gen).to(dtype),
+        "k": torch.randn(T, num_heads, k_dim, generator=gen).to(dtype),
+        "v": torch.randn(T, num_heads, v_dim, generator=gen).to(dtype),
+        "a": (torch.randn(T, num_heads, generator=gen) * 2).to(dtype),
+        "b": (torch.randn(T, num_heads, generator=gen) * 2).to(dtype),
+    }
+
+
+def make_pool(num_slots: int, num_heads: int, k_dim: int, v_dim: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(num_slots, num_heads, k_dim, v_dim, generator=gen)
+
+
+def select(tokens: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
+    return {name: x[idx] for name, x in tokens.items()}
+
+
+def concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
+def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Max abs error within `rel` times the max magnitude of `expected`, and every element finite."""
+    assert actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    err = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    bound = rel * max(expected.double().abs().max().item() if expected.numel() else 0.0, 1e-30)
+    assert err <= bound, f"max abs error {err:.3e} > {bound:.3e}"
+
+
+def random_parents(N: int, T_d: int, gen: torch.Generator, chain: bool = False) -> torch.Tensor:
+    parents = torch.full((N, T_d), -1, dtype=torch.int32)
+    for j in range(1, T_d):
+        parents[:, j] = j - 1 if chain else torch.randint(0, j, (N,), generator=gen)
+    return parents
+
+
+def ancestry(parents: torch.Tensor, node: int) -> list[int]:
+    """Nodes from the root to `node` inclusive, for one sequence's parents `[T_d]`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+# ---- an independent direct loop of DESIGN.md §1 steps 3–4, float64, one head at a time ----
+
+
+def naive_sequence(tokens: dict[str, torch.Tensor], A_log, dt_bias, h0: torch.Tensor, scale: float):
+    """One sequence: returns o `[T, H, V]` and the final state `[H, K, V]`, both float64."""
+    q, k, v, a, b = (tokens[n].double() for n in "qkvab")
+    T, num_heads, _ = q.shape
+    o = torch.zeros(T, num_heads, v.shape[-1], dtype=torch.float64)
+    finals = []
+    for h in range(num_heads):
+        S = h0[h].double().clone()
+        for t in range(T):
+            qt = q[t, h] / math.sqrt(float(q[t, h] @ q[t, h]) + 1e-6) * scale
+            kt = k[t, h] / math.sqrt(float(k[t, h] @ k[t, h]) + 1e-6)
+            gt = -math.exp(float(A_log[h])) * math.log1p(math.exp(float(a[t, h]) + float(dt_bias[h])))
+            bt = 1.0 / (1.0 + math.exp(-float(b[t, h])))
+            S = math.exp(gt) * S
+            e = bt * (v[t, h] - S.T @ kt)
+            S = S + torch.outer(kt, e)
+            o[t, h] = S.T @ qt
+        finals.append(S)
+    return o, torch.stack(finals)
+
+
+def run_prefill(fn, tokens, A_log, dt_bias, pool, lengths, slots, has_init, scale=None) -> torch.Tensor:
+    return fn(
+        tokens["q"],
+        tokens["k"],
+        tokens["v"],
+        tokens["a"],
+        tokens["b"],
+        A_log,
+        dt_bias,
+        pool,
+        cu_seqlens_of(lengths).to(pool.device),
+        torch.tensor(slots, dtype=torch.int32, device=pool.device),
+        torch.tensor(has_init, dtype=torch.bool, device=pool.device),
+        scale=scale,
+    )
+
+
+@pytest.mark.parametrize("prefill", [ref.gated_delta_rule_prefill, ref.chunk_gated_delta_rule_prefill])
+def test_prefill_matches_naive_loop(prefill):
+    gen = torch.Generator().manual_seed(0)
+    A_log, dt_bias = make_params(H, gen)
+    lengths, slots, has_init = [5, 1, 0, 17], [3, 1, 6, 5], [True, False, True, True]
+    tokens = make_tokens(sum(lengths), H, K, V, gen)
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    before = pool.clone()
+    scale = 0.37
+    o = run_prefill(prefill, tokens, A_log, dt_bias, pool, lengths, slots, has_init, scale=scale)
+    start = 0
+    for n, slot, init in zip(lengths, slots, has_init, strict=True):
+        h0 = before[slot] if init else torch.zeros(H, K, V)
+        o_ref, final_ref = naive_sequence(select(tokens, slice(start, start + n)), A_log, dt_bias, h0, scale)
+        assert_rel_close(o[start : start + n], o_ref, 1e-5)
+        assert_rel_close(pool[slot], final_ref, 1e-5)
+        start += n
+    for slot in set(range(NUM_SLOTS)) - set(slots):
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    gen = torch.Generator().manual_seed(1)
+    A_log, dt_bias = make_params(H, gen)
+    tokens = make_tokens(4, H, K, V, gen)
+    pool = make_pool(2, H, K, V, gen)
+    pool2 = pool.clone()
+    o = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool, [4], [1], [True])
+    o2 = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool2, [4], [1], [True], scale=K**-0.5)
+    assert torch.equal(o, o2)
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("has_init", [False, True])
+def test_chunked_matches_recurrent(length, has_init):
+    gen = torch.Generator().manual_seed(length)
+    A_log, dt_bias = make_params(H, gen)
+    tokens = make_tokens(length, H, K, V, gen)
+    pool = make_pool(3, H, K, V, gen)
+    pool_chunk = pool.clone()
+    o = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool, [length], [2], [has_init])
+    o_chunk = run_prefill(
+        ref.chunk_gated_delta_rule_prefill, tokens, A_log, dt_bias, pool_chunk, [length], [2], [has_init]
+    )
+    assert_rel_close(o_chunk, o, 1e-5)
+    assert_rel_close(pool_chunk, pool, 1e-5)
+
+
+def test_chunked_matches_recurrent_mixed_batch():
+    gen = torch.Generator().manual_seed(2)
+    A_log, dt_bias = make_params(H, gen)
+    lengths, slots, has_init = [65, 1, 130, 64, 0], [4, 2, 1, 6, 3], [True, False, True, False, True]
+    tokens = make_tokens(sum(lengths), H, K, V, gen)
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    before = pool.clone()
+    pool_chunk = pool.clone()
+    o = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool, lengths, slots, has_init)
+    o_chunk = run_prefill(
+        ref.chunk_gated_delta_rule_prefill, tokens, A_log, dt_bias, pool_chunk, lengths, slots, has_init
+    )
+    assert_rel_close(o_chunk, o, 1e-5)
+    assert_rel_close(pool_chunk, pool, 1e-5)
+    assert torch.equal(pool[3], before[3])  # an empty sequence with an initial state keeps it
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[5], before[5])
+
+
+def test_prefill_then_decode_matches_whole_prefill():
+    gen = torch.Generator().manual_seed(3)
+    A_log, dt_bias = make_params(H, gen)
+    prompt_lens, num_steps = [4, 9, 1], 3
+    slots = [5, 2, 3]
+    N = len(prompt_lens)
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    pool_whole = pool.clone()
+    before = pool.clone()
+    prompts = [make_tokens(n, H, K, V, gen) for n in prompt_lens]
+    steps = [make_tokens(N, H, K, V, gen) for _ in range(num_steps)]
+    run_prefill(ref.gated_delta_rule_prefill, concat(prompts), A_log, dt_bias, pool, prompt_lens, slots, [False] * N)
+    outs = []
+    for step in steps:
+        outs.append(
+            ref.gated_delta_rule_decode(
+                *(step[n] for n in "qkvab"), A_log, dt_bias, pool, torch.tensor(slots, dtype=torch.int32)
+            )
+        )
+    whole = [concat([prompts[i]] + [select(s, slice(i, i + 1)) for s in steps]) for i in range(N)]
+    whole_lens = [n + num_steps for n in prompt_lens]
+    o_whole = run_prefill(
+        ref.gated_delta_rule_prefill, concat(whole), A_log, dt_bias, pool_whole, whole_lens, slots, [False] * N
+    )
+    ends = cu_seqlens_of(whole_lens)[1:].long()
+    for s, out in enumerate(outs):
+        assert_rel_close(out, o_whole[ends - num_steps + s], 1e-5)
+    assert_rel_close(pool, pool_whole, 1e-5)
+    for slot in set(range(NUM_SLOTS)) - set(slots):
+        assert torch.equal(pool[slot], before[slot])
+
+
+def chain_prefill_of_path(tokens, A_log, dt_bias, pool, slot: int, token_ids: list[int]):
+    """Output of the last token and the final state of a prefill of `token_ids` from `pool[slot]` (pool untouched)."""
+    scratch = pool[slot : slot + 1].clone()
+    o = run_prefill(
+        ref.gated_delta_rule_prefill, select(tokens, token_ids), A_log, dt_bias, scratch, [len(token_ids)], [0], [True]
+    )
+    return o[-1], scratch[0]
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_verify_matches_chain_prefill_of_each_path(chain):
+    gen = torch.Generator().manual_seed(4)
+    A_log, dt_bias = make_params(H, gen)
+    N, T_d = 3, 7
+    slots = [4, 1, 4]  # two sequences may read the same slot in verify
+    parents = random_parents(N, T_d, gen, chain=chain)
+    tokens = make_tokens(N * T_d, H, K, V, gen)
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    before = pool.clone()
+    o = ref.gated_delta_rule_verify(
+        *(tokens[n] for n in "qkvab"), A_log, dt_bias, pool, torch.tensor(slots, dtype=torch.int32), parents
+    )
+    assert torch.equal(pool, before)
+    for i in range(N):
+        for j in range(T_d):
+            path = [i * T_d + node for node in ancestry(parents[i], j)]
+            o_path, _ = chain_prefill_of_path(tokens, A_log, dt_bias, before, slots[i], path)
+            assert_rel_close(o[i * T_d + j], o_path, 1e-5)
+
+
+def random_acceptance(parents: torch.Tensor, gen: torch.Generator, lengths: list[int] | None = None):
+    """A root-first accepted path per sequence (`lengths[i]` nodes deep if given, else a random node's path), padded
+    with -1: returns accepted_nodes `[N, T_d]`, num_accepted `[N]`."""
+    N, T_d = parents.shape
+    accepted = torch.full((N, T_d), -1, dtype=torch.int32)
+    num = torch.zeros(N, dtype=torch.int32)
+    for i in range(N):
+        if lengths is None:
+            path = ancestry(parents[i], int(torch.randint(0, T_d, (1,), generator=gen)))
+        else:
+            candidates = [j for j in range(T_d) if len(ancestry(parents[i], j)) == lengths[i]]
+            path = ancestry(parents[i], candidates[0]) if lengths[i] else []
+        accepted[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        num[i] = len(path)
+    return accepted, num
+
+
+def test_commit_matches_prefill_of_accepted():
+    gen = torch.Generator().manual_seed(5)
+    A_log, dt_bias = make_params(H, gen)
+    N, T_d = 4, 6
+    slots = [2, 6, 3, 1]
+    parents = random_parents(N, T_d, gen)
+    accepted, num = random_acceptance(parents, gen)
+    num[3] = 0  # nothing accepted: the slot must not change
+    tokens = make_tokens(N * T_d, H, K, V, gen)
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    before = pool.clone()
+    ref.gated_delta_rule_commit(
+        *(tokens[n] for n in "kvab"), A_log, dt_bias, pool, torch.tensor(slots, dtype=torch.int32), accepted, num
+    )
+    for i in range(N - 1):
+        path = [i * T_d + int(node) for node in accepted[i, : num[i]]]
+        _, final = chain_prefill_of_path(tokens, A_log, dt_bias, before, slots[i], path)
+        assert_rel_close(pool[slots[i]], final, 1e-5)
+    for slot in set(range(NUM_SLOTS)) - set(slots[:3]):
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_verify_commit_rounds_match_prefill_of_accepted_tokens():
+    gen = torch.Generator().manual_seed(6)
+    A_log, dt_bias = make_params(H, gen)
+    N, T_d = 2, 5
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    # accepted path lengths per round; includes a 1 after >= 2 and a full-depth chain acceptance
+    acceptance = [[3, 1], [1, 2], [2, 5], [1, 1]]
+    prompt_lens = [6, 3]
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    before = pool.clone()
+    prompts = [make_tokens(n, H, K, V, gen) for n in prompt_lens]
+    run_prefill(ref.gated_delta_rule_prefill, concat(prompts), A_log, dt_bias, pool, prompt_lens, [3, 1], [False] * N)
+    history = [[p] for p in prompts]
+    accepted_outputs: list[list[torch.Tensor]] = [[], []]
+    for round_lengths in acceptance:
+        chain = round_lengths == [1, 1]
+        parents = random_parents(N, T_d, gen, chain=chain)
+        parents[1, 1:] = torch.arange(T_d - 1)  # sequence 1 always has a deep enough chain
+        tokens = make_tokens(N * T_d, H, K, V, gen)
+        o = ref.gated_delta_rule_verify(*(tokens[n] for n in "qkvab"), A_log, dt_bias, pool, slots, parents)
+        lengths = [min(n, max(len(ancestry(parents[i], j)) for j in range(T_d))) for i, n in enumerate(round_lengths)]
+        accepted, num = random_acceptance(parents, gen, lengths)
+        ref.gated_delta_rule_commit(*(tokens[n] for n in "kvab"), A_log, dt_bias, pool, slots, accepted, num)
+        for i in range(N):
+            ids = [i * T_d + int(node) for node in accepted[i, : num[i]]]
+            history[i].append(select(tokens, ids))
+            accepted_outputs[i].append(o[ids])
+    whole = [concat(h) for h in history]
+    whole_lens = [w["q"].shape[0] for w in whole]
+    pool_whole = before.clone()
+    o_whole = run_prefill(
+        ref.gated_delta_rule_prefill, concat(whole), A_log, dt_bias, pool_whole, whole_lens, [3, 1], [False] * N
+    )
+    starts = cu_seqlens_of(whole_lens)[:-1].tolist()
+    for i in range(N):
+        o_seq = o_whole[starts[i] : starts[i] + whole_lens[i]]
+        assert_rel_close(torch.cat(accepted_outputs[i]), o_seq[prompt_lens[i] :], 1e-5)
+    assert_rel_close(pool, pool_whole, 1e-5)
+
+
+def test_bad_shapes_raise():
+    gen = torch.Generator().manual_seed(7)
+    A_log, dt_bias = make_params(H, gen)
+    tokens = make_tokens(4, H, K, V, gen)
+    pool = make_pool(2, H, K, V, gen)
+    slots = torch.tensor([1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="N \\* T_d"):
+        ref.gated_delta_rule_verify(
+            *(tokens[n] for n in "qkvab"), A_log, dt_bias, pool, slots, random_parents(2, 3, gen)
+        )
+    with pytest.raises(ValueError, match="fp32"):
+        ref.gated_delta_rule_decode(*(tokens[n][:2] for n in "qkvab"), A_log, dt_bias, pool.double(), slots)
+    with pytest.raises(ValueError, match="same shape"):
+        ref.gated_delta_rule_decode(
+            tokens["q"][:2, :, :8], *(tokens[n][:2] for n in "kvab"), A_log, dt_bias, pool, slots
+        )

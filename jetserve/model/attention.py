@@ -1,0 +1,60 @@
+"""The `attn` and `swa` mixers: Qwen2 GQA with RoPE over paged K/V (SWA keeps only its window)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from jetserve.config import ModelConfig
+from jetserve.model.forward_batch import ForwardBatch, Phase
+from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_sliding = config.layer_types[layer_id] == "swa"
+        self.window_tokens = config.swa_window_size if self.is_sliding else 0
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.cos_sin: torch.Tensor | None = None  # [max_pos, Dh] fp32, one table shared by all layers (set_rope)
+        self.k_cache: torch.Tensor | None = None  # [num_pages, page_size, HK, Dh]
+        self.v_cache: torch.Tensor | None = None
+
+    def set_rope(self, cos_sin: torch.Tensor) -> None:
+        self.cos_sin = cos_sin
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        assert self.k_cache is not None, f"layer {self.layer_id}: no K/V cache bound"
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, HK, Dh]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, HK, Dh]
+        q, k = apply_rope(q, k, fb.positions, self.cos_sin)
+        meta = fb.swa_kv if self.is_sliding else fb.kv
+        assert meta is not None, f"layer {self.layer_id}: ForwardBatch has no K/V metadata for this layer kind"
+        kwargs = dict(scale=self.scale, window_tokens=self.window_tokens, ring_tokens=meta.ring_tokens)
+        caches = (self.k_cache, self.v_cache)
+        if fb.phase is Phase.PREFILL:
+            o = attention_prefill(
+                q, k, v, *caches, fb.cu_seqlens, fb.context_lens, meta.block_tables, meta.slot_mapping,
+                max_seqlen_q=fb.max_seqlen_q, **kwargs,
+            )  # fmt: skip
+        elif fb.phase is Phase.DECODE:
+            o = attention_decode(q, k, v, *caches, fb.context_lens, meta.block_tables, meta.slot_mapping, **kwargs)
+        else:
+            o = attention_verify(
+                q, k, v, *caches, fb.tree_mask, fb.context_lens, meta.block_tables, meta.slot_mapping, **kwargs
+            )
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]

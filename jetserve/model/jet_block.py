@@ -1,0 +1,88 @@
+"""The `jet` mixer: gated delta rule linear attention whose values pass through a dynamic convolution."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from jetserve.config import ModelConfig
+from jetserve.model.forward_batch import ForwardBatch, Phase
+from jetserve.ops.dynamic_conv import dynamic_conv_decode, dynamic_conv_prefill, dynamic_conv_verify
+from jetserve.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gated_delta_rule_verify
+from jetserve.ops.norm import gated_rms_norm
+
+
+class KernelGenerator(nn.Module):
+    """κ_t = w2(silu(w1 x_t)) + w2.bias; the ops take silu(w1 x) and fuse w2 with the convolution."""
+
+    def __init__(self, hidden_size: int, generator_dim: int, value_dim: int, conv_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, generator_dim, bias=False)
+        self.w2 = nn.Linear(generator_dim, value_dim * conv_size, bias=True)
+
+
+class DynamicConv(nn.Module):
+    def __init__(self, hidden_size: int, generator_dim: int, value_dim: int, conv_size: int) -> None:
+        super().__init__()
+        self.kernel_generator = KernelGenerator(hidden_size, generator_dim, value_dim, conv_size)
+
+
+class JetBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        jet = config.jet
+        assert jet is not None
+        self.layer_id = layer_id
+        self.num_heads = jet.num_heads
+        self.head_k_dim = jet.head_dim
+        self.head_v_dim = jet.head_v_dim
+        self.key_dim = jet.key_dim
+        self.value_dim = jet.value_dim
+        self.norm_eps = jet.norm_eps
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        # Kept in fp32 whatever the model dtype (the loader and `cast_model` honour `FP32_PARAMETERS`).
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.dynamic_conv1d = DynamicConv(hidden, jet.generator_dim, self.value_dim, jet.conv_size)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_v_dim))
+        self.conv_state: torch.Tensor | None = None  # [S, W-1, D_v]
+        self.recurrent_state: torch.Tensor | None = None  # [S, H, K, V] fp32
+
+    def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        assert self.conv_state is not None, f"layer {self.layer_id}: no JetBlock state bound"
+        T, H = x.shape[0], self.num_heads
+        q = F.silu(self.q_proj(x)).view(T, H, self.head_k_dim)  # [T, H, K]
+        k = F.silu(self.k_proj(x)).view(T, H, self.head_k_dim)  # [T, H, K]
+        u = self.v_proj(x)  # [T, D_v], raw: what the conv convolves and its window stores
+        a = self.a_proj(x)  # [T, H]
+        b = self.b_proj(x)  # [T, H]
+        generator = self.dynamic_conv1d.kernel_generator
+        h = F.silu(generator.w1(x))  # [T, D_g]
+        conv_args = (generator.w2.weight, generator.w2.bias, self.conv_state)
+        gate_args = (self.A_log, self.dt_bias, self.recurrent_state)
+        if fb.phase is Phase.PREFILL:
+            seq_args = (fb.cu_seqlens, fb.state_indices, fb.has_initial_state)
+            v = dynamic_conv_prefill(u, h, *conv_args, *seq_args)  # [T, D_v]
+            v = v.view(T, H, self.head_v_dim)  # [T, H, V]
+            o = gated_delta_rule_prefill(q, k, v, a, b, *gate_args, *seq_args)  # [T, H, V]
+        elif fb.phase is Phase.DECODE:
+            v = dynamic_conv_decode(u, h, *conv_args, fb.state_indices).view(T, H, self.head_v_dim)
+            o = gated_delta_rule_decode(q, k, v, a, b, *gate_args, fb.state_indices)
+        else:
+            v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, self.head_v_dim)
+            o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)
+        gate = self.g_proj(x).view(T, H, self.head_v_dim)  # [T, H, V]
+        y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps)  # [T, H, V]
+        return self.o_proj(y.reshape(T, self.value_dim))  # [T, hidden]

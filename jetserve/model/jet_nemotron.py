@@ -1,0 +1,109 @@
+"""JetNemotronForCausalLM: embedding, decoder layers of three kinds (`attn`, `swa`, `jet`), final norm, lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from jetserve.config import ModelConfig
+from jetserve.model.attention import Attention
+from jetserve.model.forward_batch import ForwardBatch
+from jetserve.model.jet_block import JetBlock
+from jetserve.model.layers import MLP, RMSNorm
+from jetserve.ops.attention import rope_cos_sin
+
+# Parameters that stay fp32 whatever the model dtype (the official code upcasts them too).
+FP32_PARAMETERS = ("A_log", "dt_bias")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.kind = config.layer_types[layer_id]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = JetBlock(config, layer_id) if self.kind == "jet" else Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None)."""
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(x, fb)
+        x, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(x), residual
+
+
+class JetNemotronModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class JetNemotronForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = JetNemotronModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.aux_hidden_states: list[torch.Tensor] = []  # inputs of fb.capture_layers, set by forward
+        self.init_rope(torch.empty(0).device)
+
+    def init_rope(self, device: torch.device | str) -> None:
+        """Build the one RoPE table (not a checkpoint tensor) on `device` and share it with every attention layer."""
+        config = self.config
+        table = rope_cos_sin(config.max_position_embeddings, config.head_dim, config.rope_theta).to(device)
+        for layer in self.model.layers:
+            if layer.kind != "jet":
+                layer.self_attn.set_rope(table)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
+
+    def bind_caches(
+        self,
+        kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        conv_states: dict[int, torch.Tensor],
+        recurrent_states: dict[int, torch.Tensor],
+    ) -> None:
+        """Give each layer its slice of the pools, keyed by layer index (called once, when they are allocated)."""
+        for i, layer in enumerate(self.model.layers):
+            if layer.kind == "jet":
+                layer.self_attn.bind_state(conv_states[i], recurrent_states[i])
+            else:
+                layer.self_attn.bind_cache(*kv_caches[i])
+
+    def forward(self, fb: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the final-normed hidden states [T, hidden] of every token in the batch."""
+        hidden = self.model.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds  # [T, hidden]
+        residual = None
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            if i in fb.capture_layers:
+                captured.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(hidden, residual, fb)
+        self.aux_hidden_states = captured
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` [N, hidden] → logits [N, vocab] in fp32."""
+        return nn.functional.linear(hidden, self.lm_head_weight).float()
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters to `dtype`, keeping `FP32_PARAMETERS` (and the RoPE table) in fp32."""
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FP32_PARAMETERS:
+            param.data = param.data.float()
+        else:
+            param.data = param.data.to(dtype)
+    return model

@@ -1,0 +1,35 @@
+"""Building blocks shared by every decoder layer: RMSNorm and the SwiGLU MLP, on `jetserve.ops`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from jetserve.ops.norm import rms_norm, silu_and_mul
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`x` [T, D]; with `residual` [T, D] returns (norm(x + residual), x + residual)."""
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x), no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [T, 2I]
+        return self.down_proj(silu_and_mul(gate_up))  # [T, hidden]

@@ -1,0 +1,92 @@
+"""Load a Hugging Face checkpoint (safetensors, single file or sharded index) into JetNemotronForCausalLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from jetserve.config import ModelConfig
+from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the model its config describes; the message names the tensor."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """`auto` takes the config's torch_dtype (bfloat16 when it names none we support)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(config.torch_dtype, torch.bfloat16)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the index's shards, or the single model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: shard(s) named in the index are missing: {', '.join(missing)}")
+    return files
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    ignore_unused: bool = False,
+) -> JetNemotronForCausalLM:
+    """Build the model from `path/config.json` and fill it from the checkpoint's tensors.
+
+    A tensor the model needs but the files lack, or one of the wrong shape, is an error naming it; so is a tensor the
+    model does not use, unless `ignore_unused`.
+    """
+    path = Path(path)
+    config = ModelConfig.from_hf(path)
+    torch_dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = JetNemotronForCausalLM(config)
+    expected = {name: p for name, p in model.named_parameters()}
+    loaded: dict[str, torch.Tensor] = {}
+    unused: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in expected:
+                    # Tied checkpoints sometimes still carry lm_head.weight; it must equal the embedding then.
+                    unused.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise CheckpointError(
+                        f"{name}: shape {tuple(tensor.shape)} in {file.name}, expected {tuple(expected[name].shape)}"
+                    )
+                target = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMETERS else torch_dtype
+                loaded[name] = tensor.to(device=device, dtype=target)
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+    if unused and not ignore_unused:
+        shown = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(f"{path}: tensor(s) the model does not use: {shown} (pass ignore_unused to load anyway)")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    model.init_rope(device)  # built on the meta device with the model
+    return cast_model(model, torch_dtype).eval().requires_grad_(False)

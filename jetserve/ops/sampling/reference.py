@@ -1,0 +1,125 @@
+"""Token sampling in pure PyTorch on the logits' device: greedy, temperature, top-k/top-p/min-p, and log-probs.
+
+The random draw is a Gumbel-max whose noise is a counter-based integer hash of (seed, counter, vocab index): no
+torch.Generator, no host synchronisation, and a request's token depends only on its own row, never on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64, split in 16-bit halves of c so no product overflows."""
+    lo = x * (c & 0xFFFF)  # < 2^48
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16  # only the low 16 bits of x * c_hi survive the shift mod 2^32
+    return (lo + hi) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (xorshift-multiply, 2 rounds) on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per row [N] int64 from the full 64 bits of (seed, counter)."""
+    key = _mix32((seeds & _MASK32) ^ 0x5851F42D)  # [N]
+    key = _mix32(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ (counters & _MASK32))
+    key = _mix32(key ^ ((counters >> 32) & _MASK32))
+    return key, _mix32(key ^ 0x2545F491)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u [N, V] float64 in (0, 1): a function of (seeds[i], counters[i], v) only; 2^32 levels, never 0 or 1."""
+    key_a, key_b = row_keys(seeds, counters)  # [N] each
+    index = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [V]
+    bits = _mix32(_mix32(key_a[:, None] ^ index[None, :]) ^ key_b[:, None])  # [N, V] in [0, 2^32)
+    return (bits.double() + 0.5) * 2.0**-32
+
+
+def _check_sample_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    for name, row in zip(("temperature", "top_k", "top_p", "min_p", "seeds", "counters"), rows, strict=True):
+        if row.shape != (logits.shape[0],):
+            raise ValueError(f"{name} must be [N] = [{logits.shape[0]}], got shape {tuple(row.shape)}")
+
+
+def keep_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens survive top-k, then top-p, then min-p: [N, V] bool; the most likely token always survives.
+
+    Each filter is a probability threshold, so ties at a boundary are all kept (the result does not depend on how a
+    sort orders equal values): top-k keeps p ≥ the k-th largest p (k ≤ 0 or k ≥ V: off); top-p, on the top-k
+    survivors renormalised, keeps p ≥ the smallest p of the shortest most-likely-first prefix whose mass reaches
+    top_p (top_p ≥ 1: off); min-p keeps p ≥ min_p · max p (min_p ≤ 0: off).
+    """
+    num_rows, vocab_size = probs.shape
+    sorted_probs = probs.sort(dim=-1, descending=True).values  # [N, V]
+    is_k_on = (top_k > 0) & (top_k < vocab_size)  # [N]
+    k_index = torch.where(is_k_on, top_k.long() - 1, vocab_size - 1)[:, None]  # [N, 1]
+    threshold = sorted_probs.gather(1, k_index)  # [N, 1]: 0 stays a valid "off" since probs ≥ 0
+
+    after_k = torch.where(sorted_probs >= threshold, sorted_probs, 0.0)  # [N, V], a prefix in sorted order
+    mass = after_k.cumsum(dim=-1)  # [N, V]
+    target = top_p.float()[:, None] * mass[:, -1:]  # [N, 1]
+    cut_index = (mass < target).sum(dim=-1, keepdim=True).clamp(max=vocab_size - 1)  # [N, 1]: first prefix reaching it
+    threshold_p = torch.where(top_p[:, None] < 1.0, sorted_probs.gather(1, cut_index), 0.0)  # [N, 1]
+    threshold_m = min_p.float()[:, None] * sorted_probs[:, :1]  # [N, 1]
+    threshold = torch.maximum(torch.maximum(threshold, threshold_p), threshold_m)
+    # min_p > 1 would drop the top token too; the top token is kept regardless, as the contract says.
+    threshold = torch.minimum(threshold, sorted_probs[:, :1])
+    return probs >= threshold
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row: argmax where temperature == 0, else a filtered draw from softmax(logits / temperature).
+
+    logits [N, V] (fp32), temperature [N] (0 = greedy), top_k [N] int32 (0 = off), top_p [N] (1 = off), min_p [N]
+    (0 = off), seeds [N] int64, counters [N] int64 (the request's draw index: a new counter gives a fresh draw).
+    Filters as in `keep_mask`, then the Gumbel-max draw `argmax(logits/T - log(-log u))` over the survivors with u
+    from `uniform_noise`, which picks token i with probability p_i / Σ_kept p. Returns [N] int64. Parameter ranges
+    (temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1) are the caller's to check: checking here would sync the host.
+    """
+    _check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)  # [N]
+    is_greedy = temperature <= 0  # [N]
+    scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [N, V]
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    keep = keep_mask(probs, top_k, top_p, min_p)  # [N, V]
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[1])))  # [N, V] float64
+    scores = torch.where(keep, scaled.double() + gumbel, -torch.inf)  # [N, V]
+    return torch.where(is_greedy, greedy, scores.argmax(dim=-1))
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[i, token_ids[i]]: logits [N, V], token_ids [N] → [N] fp32."""
+    if logits.dim() != 2 or token_ids.shape != (logits.shape[0],):
+        raise ValueError(f"need logits [N, V] and token_ids [N], got {tuple(logits.shape)}, {tuple(token_ids.shape)}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    return logprobs.gather(1, token_ids.long()[:, None]).squeeze(1)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probs per row, most likely first: logits [N, V] → (values [N, k] fp32, ids [N, k] int64)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    if not 0 <= k <= logits.shape[1]:
+        raise ValueError(f"k must be in [0, V={logits.shape[1]}], got {k}")
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [N, k] each
+    return values, ids

@@ -1,0 +1,171 @@
+"""Sampling: greedy, per-request reproducibility on any batch, and the filtered distribution (chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetserve.ops.sampling import reference as ref
+
+# Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one test in 1000 seeds;
+# the noise is a fixed hash, so each test is deterministic.
+CHI2_CRITICAL_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def rows(n: int, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 7):
+    """Per-row sampling parameters for n rows; counters 0..n-1 (n successive draws of one request)."""
+    return dict(
+        temperature=torch.full((n,), temperature),
+        top_k=torch.full((n,), top_k, dtype=torch.int32),
+        top_p=torch.full((n,), top_p),
+        min_p=torch.full((n,), min_p),
+        seeds=torch.full((n,), seed, dtype=torch.int64),
+        counters=torch.arange(n, dtype=torch.int64),
+    )
+
+
+def random_logits(n: int, v: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=gen) * scale  # [N, V]
+
+
+def test_greedy_is_argmax_row_by_row() -> None:
+    logits = random_logits(6, 50)
+    params = rows(6, temperature=0.8)
+    params["temperature"][[0, 3, 4]] = 0.0
+    tokens = ref.sample(logits, **params)
+    assert tokens.dtype == torch.int64 and tokens.shape == (6,)
+    assert torch.equal(tokens[[0, 3, 4]], logits[[0, 3, 4]].argmax(dim=-1))
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = random_logits(64, 100, seed=1)
+    tokens = ref.sample(logits, **rows(64, temperature=1.5, top_k=1))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_draw_depends_only_on_own_seed_and_counter() -> None:
+    logits = random_logits(8, 300, seed=2, scale=1.0)
+    params = rows(8, temperature=1.0, top_k=50, top_p=0.9)
+    params["seeds"] = torch.tensor([3, 1 << 40, -5, 3, 99, 12345, 7, 0], dtype=torch.int64)
+    params["counters"] = torch.tensor([0, 5, 2, 1, 1 << 33, 9, 4, 3], dtype=torch.int64)
+    params["top_k"][2] = 0
+    params["min_p"][5] = 0.05
+    batched = ref.sample(logits, **params)
+    for i in range(8):
+        alone = ref.sample(logits[i : i + 1], **{name: p[i : i + 1] for name, p in params.items()})
+        assert alone.item() == batched[i].item()
+    order = torch.tensor([5, 2, 7, 0, 1, 6, 3, 4])
+    permuted = ref.sample(logits[order], **{name: p[order] for name, p in params.items()})
+    assert torch.equal(permuted, batched[order])
+    # Rows 0 and 3 share a seed but not a counter; a different batch composition changes nothing.
+    mixed = ref.sample(
+        torch.cat([logits[:1], random_logits(3, 300, seed=9)]), **{n: p[[0, 1, 2, 3]] for n, p in params.items()}
+    )
+    assert mixed[0].item() == batched[0].item()
+
+
+def test_different_counters_and_seeds_give_different_draws() -> None:
+    logits = torch.zeros(200, 1000)  # uniform over 1000 tokens
+    by_counter = ref.sample(logits, **rows(200, seed=11))
+    assert by_counter.unique().numel() >= 170  # about 181 distinct expected
+    params = rows(200)
+    params["seeds"] = torch.arange(200, dtype=torch.int64) * 7919
+    params["counters"].zero_()
+    by_seed = ref.sample(logits, **params)
+    assert by_seed.unique().numel() >= 170
+    assert not torch.equal(by_seed, by_counter)
+
+
+def test_uniform_noise_is_uniform_and_open_interval() -> None:
+    u = ref.uniform_noise(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0, 0], dtype=torch.int64), 50_000)
+    assert u.shape == (2, 50_000) and u.dtype == torch.float64
+    assert (u > 0).all() and (u < 1).all()
+    counts = torch.histc(u.float(), bins=16, min=0.0, max=1.0)  # 6250 expected per bin
+    chi2 = ((counts - 6250) ** 2 / 6250).sum().item()
+    assert chi2 < 37.70  # 15 degrees of freedom, p = 0.001
+
+
+def filtered_probs(probs: list[float], top_k: int, top_p: float, min_p: float) -> list[float]:
+    """The contract, written out for a distribution without ties: top-k, renormalise, top-p, min-p, renormalise."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept = order[:top_k] if 0 < top_k < len(probs) else order
+    if top_p < 1.0:
+        total = sum(probs[i] for i in kept)
+        prefix, mass = [], 0.0
+        for i in kept:
+            prefix.append(i)
+            mass += probs[i] / total
+            if mass >= top_p:
+                break
+        kept = prefix
+    kept = [i for i in kept if probs[i] >= min_p * probs[order[0]]]
+    total = sum(probs[i] for i in kept)
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 1.0, 0.0),
+        (1.0, 5, 1.0, 0.0),
+        (1.3, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.15),
+        (1.0, 6, 0.9, 0.05),
+    ],
+)
+def test_frequencies_match_filtered_distribution(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    num_draws = 4000
+    base = torch.tensor([2.0, 0.3, 1.1, -0.4, 0.8, 1.7, -1.2, 0.0])  # V = 8, no ties
+    probs = torch.softmax(base.double() / temperature, dim=0).tolist()
+    expected = torch.tensor(filtered_probs(probs, top_k, top_p, min_p), dtype=torch.float64)
+    tokens = ref.sample(
+        base.expand(num_draws, 8).contiguous(),
+        **rows(num_draws, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+    )
+    counts = torch.bincount(tokens, minlength=8).double()
+    assert (counts[expected == 0] == 0).all(), "a filtered token was sampled"
+    kept = expected > 0
+    chi2 = ((counts[kept] - num_draws * expected[kept]) ** 2 / (num_draws * expected[kept])).sum().item()
+    assert chi2 < CHI2_CRITICAL_P001[int(kept.sum()) - 1], (chi2, counts.tolist(), expected.tolist())
+
+
+def test_top_p_and_min_p_never_sample_filtered_tokens() -> None:
+    num_draws, vocab = 3000, 64
+    logits = random_logits(1, vocab, seed=4, scale=2.0).expand(num_draws, vocab).contiguous()
+    probs = torch.softmax(logits[0], dim=0)
+    order = probs.argsort(descending=True)
+    for params, allowed in [
+        (rows(num_draws, top_p=0.5), order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1]),
+        (rows(num_draws, min_p=0.2), (probs >= 0.2 * probs.max()).nonzero().flatten()),
+    ]:
+        tokens = ref.sample(logits, **params)
+        assert set(tokens.unique().tolist()) == set(allowed.tolist())
+
+
+def test_ties_at_the_top_k_boundary_are_all_kept() -> None:
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]]).expand(400, 5).contiguous()
+    tokens = ref.sample(logits, **rows(400, top_k=2))
+    assert set(tokens.unique().tolist()) == {0, 2, 3}
+
+
+def test_sample_rejects_bad_shapes() -> None:
+    params = rows(3)
+    params["top_p"] = torch.ones(2)
+    with pytest.raises(ValueError, match="top_p"):
+        ref.sample(random_logits(3, 10), **params)
+
+
+def test_logprobs() -> None:
+    logits = random_logits(5, 40, seed=5)
+    token_ids = torch.tensor([0, 39, 7, 7, 12])
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    logprobs = ref.compute_logprobs(logits, token_ids)
+    assert logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs.double(), expected[torch.arange(5), token_ids], rtol=1e-6, atol=1e-6)
+    values, ids = ref.top_logprobs(logits, 3)
+    assert torch.equal(ids, logits.argsort(dim=-1, descending=True)[:, :3])
+    torch.testing.assert_close(values.double(), expected.gather(1, ids), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="k must be"):
+        ref.top_logprobs(logits, 41)

@@ -79,9 +79,9 @@ def test_different_counters_and_seeds_give_different_draws() -> None:
 
 def test_uniform_noise_is_uniform_and_open_interval() -> None:
     u = ref.uniform_noise(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0, 0], dtype=torch.int64), 50_000)
-    assert u.shape == (2, 50_000) and u.dtype == torch.float64
+    assert u.shape == (2, 50_000) and u.dtype == torch.float32
     assert (u > 0).all() and (u < 1).all()
-    counts = torch.histc(u.float(), bins=16, min=0.0, max=1.0)  # 6250 expected per bin
+    counts = torch.histc(u, bins=16, min=0.0, max=1.0)  # 6250 expected per bin
     chi2 = ((counts - 6250) ** 2 / 6250).sum().item()
     assert chi2 < 37.70  # 15 degrees of freedom, p = 0.001
 
@@ -111,7 +111,7 @@ def filtered_probs(probs: list[float], top_k: int, top_p: float, min_p: float) -
         (0.7, 0, 1.0, 0.0),
         (1.0, 5, 1.0, 0.0),
         (1.3, 0, 0.8, 0.0),
-        (1.0, 0, 1.0, 0.15),
+        (1.0, 0, 1.0, 0.35),
         (1.0, 6, 0.9, 0.05),
     ],
 )

@@ -36,12 +36,16 @@ def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor,
     return key, _mix32(key ^ 0x2545F491)
 
 
-def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u [N, V] float64 in (0, 1): a function of (seeds[i], counters[i], v) only; 2^32 levels, never 0 or 1."""
+def noise_bits(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] int64 in [0, 2^32): a hash of (seeds[i], counters[i], v) only."""
     key_a, key_b = row_keys(seeds, counters)  # [N] each
     index = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [V]
-    bits = _mix32(_mix32(key_a[:, None] ^ index[None, :]) ^ key_b[:, None])  # [N, V] in [0, 2^32)
-    return (bits.double() + 0.5) * 2.0**-32
+    return _mix32(_mix32(key_a[:, None] ^ index[None, :]) ^ key_b[:, None])  # [N, V]
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u [N, V] fp32 in (0, 1) on 2^23 levels `(k + 0.5) / 2^23`: every level is exact in fp32, so u is never 1."""
+    return ((noise_bits(seeds, counters, vocab_size) >> 9).float() + 0.5) * 2.0**-23
 
 
 def _check_sample_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> None:
@@ -91,9 +95,10 @@ def sample(
 
     logits [N, V] (fp32), temperature [N] (0 = greedy), top_k [N] int32 (0 = off), top_p [N] (1 = off), min_p [N]
     (0 = off), seeds [N] int64, counters [N] int64 (the request's draw index: a new counter gives a fresh draw).
-    Filters as in `keep_mask`, then the Gumbel-max draw `argmax(logits/T - log(-log u))` over the survivors with u
-    from `uniform_noise`, which picks token i with probability p_i / Σ_kept p. Returns [N] int64. Parameter ranges
-    (temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1) are the caller's to check: checking here would sync the host.
+    Filters as in `keep_mask`, then the Gumbel-max draw in its exponential-race form, `argmax(p / -log(u))` over the
+    survivors with u from `uniform_noise` (fp32 throughout), which picks token i with probability p_i / Σ_kept p.
+    Returns [N] int64. Parameter ranges (temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1) are the caller's to check:
+    checking here would sync the host.
     """
     _check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
     logits = logits.float()
@@ -102,8 +107,8 @@ def sample(
     scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [N, V]
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
     keep = keep_mask(probs, top_k, top_p, min_p)  # [N, V]
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[1])))  # [N, V] float64
-    scores = torch.where(keep, scaled.double() + gumbel, -torch.inf)  # [N, V]
+    race = -torch.log(uniform_noise(seeds, counters, logits.shape[1]))  # [N, V] exponential, ≥ 6e-8
+    scores = torch.where(keep, probs / race, -1.0)  # [N, V]
     return torch.where(is_greedy, greedy, scores.argmax(dim=-1))
 
 

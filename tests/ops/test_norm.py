@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -96,3 +98,104 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(y.double(), gate * torch.sigmoid(gate) * up, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="even"):
         ref.silu_and_mul(randn(2, 5))
+
+
+# --- Triton kernels against the reference (the interpreter on the CPU: fp32/fp16 only, tiny grids) ---
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER_DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def kernels(monkeypatch: pytest.MonkeyPatch):
+    """The Triton module; every new floating-point tensor is NaN-filled while a test runs, so unwritten outputs fail."""
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from jetserve.ops.norm import kernels as module
+
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    return module
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    tol = TOLERANCE[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 1), (3, 7), (17, 100), (5, 1000)])
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rms_norm_kernel(kernels, dtype: torch.dtype, num_tokens: int, hidden: int, has_residual: bool) -> None:
+    x = randn(num_tokens, hidden + 3, dtype=dtype, seed=20, scale=2.0).to(DEVICE)[:, 2:-1]  # strided rows
+    weight = randn(hidden, dtype=dtype, seed=21).to(DEVICE)
+    residual = randn(num_tokens, hidden, dtype=dtype, seed=22, scale=3.0).to(DEVICE) if has_residual else None
+    actual = kernels.rms_norm(x, weight, 1e-6, residual)
+    expected = ref.rms_norm(x, weight, 1e-6, residual)
+    if has_residual:
+        assert torch.equal(actual[1], expected[1])  # the residual stream is bit-exact
+        actual, expected = actual[0], expected[0]
+    assert_matches(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("num_tokens, num_heads, head_dim", [(1, 1, 3), (5, 3, 20), (9, 4, 100), (2, 3, 256)])
+def test_gated_rms_norm_kernel(kernels, dtype: torch.dtype, num_tokens: int, num_heads: int, head_dim: int) -> None:
+    o = randn(num_tokens, num_heads, head_dim, dtype=dtype, seed=23, scale=2.0).to(DEVICE)
+    fused = randn(num_tokens, 2 * num_heads * head_dim + 5, dtype=dtype, seed=24, scale=2.0).to(DEVICE)
+    gate = fused[:, 5 : 5 + num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # a view of a fused output
+    weight = randn(head_dim, dtype=dtype, seed=25).to(DEVICE)
+    assert_matches(kernels.gated_rms_norm(o, weight, gate, 1e-5), ref.gated_rms_norm(o, weight, gate, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("num_tokens, inner", [(1, 1), (4, 37), (3, 1500)])
+def test_silu_and_mul_kernel(kernels, dtype: torch.dtype, num_tokens: int, inner: int) -> None:
+    x = randn(num_tokens, 2 * inner + 4, dtype=dtype, seed=26, scale=3.0).to(DEVICE)[:, 4:]  # strided rows
+    assert_matches(kernels.silu_and_mul(x), ref.silu_and_mul(x))
+
+
+def test_kernels_accept_zero_tokens(kernels) -> None:
+    weight = randn(8).to(DEVICE)
+    empty = torch.zeros(0, 8, device=DEVICE)
+    assert kernels.rms_norm(empty, weight, 1e-6).shape == (0, 8)
+    y, h = kernels.rms_norm(empty, weight, 1e-6, empty)
+    assert y.shape == h.shape == (0, 8)
+    assert kernels.gated_rms_norm(empty.view(0, 1, 8), weight, empty.view(0, 1, 8), 1e-6).shape == (0, 1, 8)
+    assert kernels.silu_and_mul(empty).shape == (0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 7, 300, 4099])
+@pytest.mark.parametrize(
+    "hidden, num_heads, head_v_dim, intermediate",
+    [(1536, 12, 256, 8960), (2048, 16, 256, 11008)],  # 2B, 4B
+)
+def test_kernels_at_real_shapes_bf16(
+    kernels, num_tokens: int, hidden: int, num_heads: int, head_v_dim: int, intermediate: int
+) -> None:
+    dtype = torch.bfloat16
+    x = randn(num_tokens, hidden, dtype=dtype, seed=30).cuda()
+    residual = randn(num_tokens, hidden, dtype=dtype, seed=31, scale=8.0).cuda()
+    weight = randn(hidden, dtype=dtype, seed=32).cuda()
+    assert_matches(kernels.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
+    (y, h), (y_ref, h_ref) = kernels.rms_norm(x, weight, 1e-6, residual), ref.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(h, h_ref)
+    assert_matches(y, y_ref)
+
+    o = randn(num_tokens, num_heads, head_v_dim, dtype=dtype, seed=33).cuda()
+    gate = randn(num_tokens, num_heads, head_v_dim, dtype=dtype, seed=34, scale=2.0).cuda()
+    o_weight = randn(head_v_dim, dtype=dtype, seed=35).cuda()
+    assert_matches(kernels.gated_rms_norm(o, o_weight, gate, 1e-5), ref.gated_rms_norm(o, o_weight, gate, 1e-5))
+
+    gate_up = randn(num_tokens, 2 * intermediate, dtype=dtype, seed=36, scale=2.0).cuda()
+    assert_matches(kernels.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """ValueError unless x [..., D], weight [D] and residual (None, or x's shape and dtype) fit together."""
     if x.dim() < 1:
         raise ValueError("x must have a last (channel) dimension")
     if weight.shape != (x.shape[-1],):
@@ -34,11 +35,21 @@ def rms_norm(
     x [T, D] (any leading dims), weight [D]. Returns y [T, D] in x.dtype. With `residual` [T, D] (x's dtype), first
     `h = x + residual` in x.dtype and returns `(rms_norm(h), h)`: h is the new residual stream.
     """
-    _check_norm(x, weight, residual)
+    check_rms_norm(x, weight, residual)
     if residual is None:
         return _normalize(x, weight, eps)
     h = x + residual  # [T, D] in x.dtype, rounded once like the model's `h += mixer(...)`
     return _normalize(h, weight, eps), h
+
+
+def check_gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor) -> None:
+    """ValueError unless o [T, H, V], weight [V] and gate [T, H, V] fit together."""
+    if o.dim() != 3:
+        raise ValueError(f"o must be [T, H, V], got shape {tuple(o.shape)}")
+    if weight.shape != (o.shape[-1],):
+        raise ValueError(f"weight must be [V] = [{o.shape[-1]}], got shape {tuple(weight.shape)}")
+    if gate.shape != o.shape:
+        raise ValueError(f"gate must match o {tuple(o.shape)}, got shape {tuple(gate.shape)}")
 
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,21 +57,21 @@ def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
 
     o [T, H, V], weight [V], gate [T, H, V]. Returns [T, H, V] in o.dtype (one rounding at the end).
     """
-    if o.dim() != 3:
-        raise ValueError(f"o must be [T, H, V], got shape {tuple(o.shape)}")
-    if weight.shape != (o.shape[-1],):
-        raise ValueError(f"weight must be [V] = [{o.shape[-1]}], got shape {tuple(weight.shape)}")
-    if gate.shape != o.shape:
-        raise ValueError(f"gate must match o {tuple(o.shape)}, got shape {tuple(gate.shape)}")
+    check_gated_rms_norm(o, weight, gate)
     o32 = o.float()  # [T, H, V]
     variance = o32.pow(2).mean(dim=-1, keepdim=True)  # [T, H, 1]
     y = o32 * torch.rsqrt(variance + eps) * weight.float()  # [T, H, V]
     return (y * F.silu(gate.float())).to(o.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation: x [T, 2I] = [gate | up] → `silu(gate) * up` [T, I], fp32 math, one rounding to x.dtype."""
+def check_silu_and_mul(x: torch.Tensor) -> None:
+    """ValueError unless x is [T, 2I]."""
     if x.dim() < 1 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x must be [T, 2I] with an even last dim, got shape {tuple(x.shape)}")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: x [T, 2I] = [gate | up] → `silu(gate) * up` [T, I], fp32 math, one rounding to x.dtype."""
+    check_silu_and_mul(x)
     gate, up = x.float().chunk(2, dim=-1)  # [T, I] each
     return (F.silu(gate) * up).to(x.dtype)

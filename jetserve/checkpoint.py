@@ -64,16 +64,22 @@ def _jet(heads: int, head_dim: int, expand_v: float) -> dict[str, Any]:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # All three layer kinds, small enough that a forward takes milliseconds on the CPU; window 16 so tests reach it.
-    "tiny": _jet_nemotron(
-        64, ["jet", "swa", "jet", "attn"], 4, 2, 16, 128, 320, _jet(2, 16, 2.0), swa=16
-    ) | {"max_position_embeddings": 4096, "torch_dtype": "float32"},
+    "tiny": _jet_nemotron(64, ["jet", "swa", "jet", "attn"], 4, 2, 16, 128, 320, _jet(2, 16, 2.0), swa=16)
+    | {"max_position_embeddings": 4096, "torch_dtype": "float32"},
     "2b": _jet_nemotron(
         1536, _layer_types(28, (14, 19), (20, 21)), 12, 2, 128, 8960, 151936, _jet(12, 96, 256 / 96), swa=1152
     ),
     "4b": _jet_nemotron(
-        2048, _layer_types(36, (17, 20, 32), (5, 16, 19, 21, 22, 25, 27)), 16, 2, 128, 11008, 151936,
-        _jet(16, 128, 2.0), swa=2048,
-    ),  # fmt: skip
+        2048,
+        _layer_types(36, (17, 20, 32), (5, 16, 19, 21, 22, 25, 27)),
+        16,
+        2,
+        128,
+        11008,
+        151936,
+        _jet(16, 128, 2.0),
+        swa=2048,
+    ),
 }
 
 

@@ -33,9 +33,9 @@ class StaticCache:
                     num_seqs + 1, jet.num_heads, jet.head_dim, jet.head_v_dim, dtype=torch.float32, device=device
                 )
         model.bind_caches(kv, conv, recurrent)
-        self.block_tables = (
-            1 + torch.arange(num_seqs * self.pages_per_seq, dtype=torch.int32, device=device)
-        ).view(num_seqs, self.pages_per_seq)  # [num_seqs, P]
+        self.block_tables = (1 + torch.arange(num_seqs * self.pages_per_seq, dtype=torch.int32, device=device)).view(
+            num_seqs, self.pages_per_seq
+        )  # [num_seqs, P]
         self.lengths = [0] * num_seqs  # tokens already in each sequence's cache
 
     def batch(self, seq_ids: list[int], tokens: list[list[int]], phase: Phase | None = None) -> ForwardBatch:
@@ -59,13 +59,15 @@ class StaticCache:
             input_ids=torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=self.device),
             positions=pos,
             cu_seqlens=cu,
-            context_lens=torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(
+                [s + n for s, n in zip(starts, lens, strict=True)], dtype=torch.int32, device=self.device
+            ),
             state_indices=(rows + 1).to(torch.int32),
             has_initial_state=torch.tensor([s > 0 for s in starts], dtype=torch.bool, device=self.device),
             max_seqlen_q=max(lens),
             kv=KVMetadata(slot_mapping=slots, block_tables=block_tables),
             swa_kv=KVMetadata(slot_mapping=slots, block_tables=block_tables),
         )
-        for s, n in zip(seq_ids, lens):
+        for s, n in zip(seq_ids, lens, strict=True):
             self.lengths[s] += n
         return fb

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
+# memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
+# Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]   (STAGES: any of tests,memcheck,kernels,offline; default all)
+set -uo pipefail
+OUT_DIR=${1:-${OUT:-out}}
+STAGES=${2:-tests,memcheck,kernels,offline}
+mkdir -p "$OUT_DIR"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT_DIR/gpu.txt"
+status=0
+run() {  # run NAME CMD...: log to OUT_DIR/NAME.log, remember failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  "$@" >"$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+  tail -n 25 "$OUT_DIR/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+case ",$STAGES," in *,tests,*)
+  run gpu_tests python3 -m pytest -m gpu -p no:cacheprovider -q -o addopts="" tests ;; esac
+case ",$STAGES," in *,memcheck,*)
+  run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+    python3 bench/memcheck_kernels.py ;; esac
+case ",$STAGES," in *,kernels,*)
+  run bench_kernels python3 bench/kernels.py --json "$OUT_DIR/kernels.jsonl" ;; esac
+case ",$STAGES," in *,offline,*)
+  run bench_offline python3 -m jetserve.cli bench offline --config 2b --batch-sizes 1,64,256 --input-len 4096 \
+    --output-len 64 --json ;; esac
+exit $status

@@ -248,3 +248,216 @@ def test_reference_rejects_mismatched_shapes() -> None:
         ref.dynamic_conv_decode(
             torch.randn(1, 8), torch.randn(1, 4), w2_weight, w2_bias, pool, torch.tensor([1], dtype=torch.int32)
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton kernels (CPU interpreter) against the reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run Triton kernels in the interpreter; the kernels pick the interpreter when they launch, not at import."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def poisoned_pool(num_slots: int, width: int, d: int, live: list[int], dtype: torch.dtype, seed: int = 1):
+    """Random windows in the `live` slots, NaN in slot 0 and SENTINEL in every other slot."""
+    pool = make_pool(num_slots, width, d, dtype, seed)
+    dead = [s for s in range(num_slots) if s not in live]
+    pool[dead] = SENTINEL
+    pool[0] = float("nan")
+    return pool, dead
+
+
+def assert_pools_match(pool: torch.Tensor, expect: torch.Tensor, dead: list[int], before: torch.Tensor) -> None:
+    """Live slots equal to the reference's bit for bit (windows are copies of inputs); dead slots untouched."""
+    assert_same_bits(pool.nan_to_num(nan=-7.0), expect.nan_to_num(nan=-7.0))
+    assert_same_bits(pool[dead], before[dead])
+
+
+@pytest.mark.parametrize(
+    ("width", "d", "g", "dtype"),
+    [(4, 40, 20, torch.float32), (3, 24, 8, torch.float32), (2, 24, 16, torch.float32), (4, 24, 20, torch.float16)],
+)
+def test_triton_prefill_matches_reference(interpret: None, width: int, d: int, g: int, dtype: torch.dtype) -> None:
+    from jetserve.ops.dynamic_conv.prefill import dynamic_conv_prefill
+
+    gen = torch.Generator().manual_seed(width * 100 + d)
+    lengths = [1, 2, 3, 4, 5, 17, 0, 33, 2]
+    has_init = torch.tensor([True, False, True, True, False, True, True, True, True])
+    slots = [3, 7, 1, 9, 5, 8, 2, 4, 11]
+    num_slots = 13
+    pool, dead = poisoned_pool(num_slots, width, d, slots, dtype)
+    pool[[7, 5]] = float("nan")  # no initial state: must not be read
+    w2_weight, w2_bias = make_weights(d, g, width, dtype)
+    total = sum(lengths)
+    u = torch.randn(total, d, generator=gen).to(dtype)
+    h = torch.randn(total, g, generator=gen).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    state_indices = torch.tensor(slots, dtype=torch.int32)
+    before, expect_pool = pool.clone(), pool.clone()
+
+    expect = ref.dynamic_conv_prefill(u, h, w2_weight, w2_bias, expect_pool, cu, state_indices, has_init)
+    out = dynamic_conv_prefill(u, h, w2_weight, w2_bias, pool, cu, state_indices, has_init)
+
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, expect, rtol=tol, atol=tol)
+    assert_pools_match(pool, expect_pool, dead, before)
+
+
+def test_triton_prefill_strided_inputs(interpret: None) -> None:
+    """u and h may be column slices of a fused projection output (row stride > D)."""
+    from jetserve.ops.dynamic_conv.prefill import dynamic_conv_prefill
+
+    width, d, g = 4, 24, 12
+    gen = torch.Generator().manual_seed(21)
+    w2_weight, w2_bias = make_weights(d, g, width)
+    fused = torch.randn(20, d + g + 5, generator=gen)
+    u, h = fused[:, 3 : 3 + d], fused[:, 3 + d : 3 + d + g]
+    cu = torch.tensor([0, 2, 20], dtype=torch.int32)
+    state_indices = torch.tensor([2, 1], dtype=torch.int32)
+    has_init = torch.tensor([True, False])
+    pool = make_pool(3, width, d)
+    expect_pool = pool.clone()
+    expect = ref.dynamic_conv_prefill(u, h, w2_weight, w2_bias, expect_pool, cu, state_indices, has_init)
+    out = dynamic_conv_prefill(u, h, w2_weight, w2_bias, pool, cu, state_indices, has_init)
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    assert_same_bits(pool, expect_pool)
+
+
+@pytest.mark.parametrize(("width", "dtype"), [(4, torch.float32), (3, torch.float32), (4, torch.float16)])
+def test_triton_decode_matches_reference(interpret: None, width: int, dtype: torch.dtype) -> None:
+    from jetserve.ops.dynamic_conv.decode import dynamic_conv_decode
+
+    d, g, num_seqs, num_steps = 40, 20, 19, 3
+    gen = torch.Generator().manual_seed(width)
+    slots = torch.randperm(25, generator=gen)[:num_seqs] + 1
+    slots[[4, 11]] = 0  # padded rows
+    live = [int(s) for s in slots]
+    pool, dead = poisoned_pool(27, width, d, live, dtype)
+    pool[0] = 0.25  # padded rows read and clobber slot 0; a finite value keeps their (ignored) outputs finite
+    w2_weight, w2_bias = make_weights(d, g, width, dtype)
+    state_indices = slots.to(torch.int32)
+    real = torch.ones(num_seqs, dtype=torch.bool)
+    real[[4, 11]] = False
+    before, expect_pool = pool.clone(), pool.clone()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for _ in range(num_steps):
+        u = torch.randn(num_seqs, d, generator=gen).to(dtype)
+        h = torch.randn(num_seqs, g, generator=gen).to(dtype)
+        expect = ref.dynamic_conv_decode(u, h, w2_weight, w2_bias, expect_pool, state_indices)
+        out = dynamic_conv_decode(u, h, w2_weight, w2_bias, pool, state_indices)
+        assert torch.isfinite(out[real]).all()
+        torch.testing.assert_close(out[real], expect[real], rtol=tol, atol=tol)
+    live_real = [s for s in live if s != 0]
+    assert_same_bits(pool[live_real], expect_pool[live_real])
+    assert_same_bits(pool[dead], before[dead])
+
+
+@pytest.mark.parametrize(("chain", "dtype"), [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
+def test_triton_verify_matches_reference_and_reads_only(interpret: None, chain: bool, dtype: torch.dtype) -> None:
+    from jetserve.ops.dynamic_conv.verify import dynamic_conv_verify
+
+    num_seqs, num_nodes, width, d, g = 3, 7, 4, 24, 20
+    w2_weight, w2_bias, pool, slots, parents, u, h = _verify_case(
+        num_seqs, num_nodes, width, d, g, seed=13, chain=chain
+    )
+    w2_weight, w2_bias, pool, u, h = (x.to(dtype) for x in (w2_weight, w2_bias, pool, u, h))
+    pool[0] = float("nan")
+    before = pool.clone()
+    expect = ref.dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents)
+    out = dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents)
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, expect, rtol=tol, atol=tol)
+    assert_same_bits(pool, before)
+
+
+@pytest.mark.parametrize("width", [4, 2])
+def test_triton_commit_matches_reference(interpret: None, width: int) -> None:
+    from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit
+
+    num_seqs, num_nodes, d = 5, 6, 40
+    gen = torch.Generator().manual_seed(17)
+    slots = [4, 0, 2, 6, 1]  # row 1 is padding: slot 0, nothing accepted
+    pool, dead = poisoned_pool(8, width, d, slots, torch.float32)
+    u = torch.randn(num_seqs * num_nodes, d, generator=gen)
+    accepted = torch.full((num_seqs, num_nodes), -1, dtype=torch.int32)  # entries past num_accepted are garbage
+    counts = [1, 0, num_nodes, 2, 3]
+    for i, count in enumerate(counts):
+        parents = random_tree(num_nodes, gen, min_depth=num_nodes if count == num_nodes else 3)
+        deepest = max(range(num_nodes), key=lambda j: len(ancestry(parents, j)))
+        accepted[i, :count] = torch.tensor(ancestry(parents, deepest)[:count], dtype=torch.int32)
+    state_indices = torch.tensor(slots, dtype=torch.int32)
+    num_accepted = torch.tensor(counts, dtype=torch.int32)
+    before, expect_pool = pool.clone(), pool.clone()
+    ref.dynamic_conv_commit(u, expect_pool, state_indices, accepted, num_accepted)
+    dynamic_conv_commit(u, pool, state_indices, accepted, num_accepted)
+    assert_pools_match(pool, expect_pool, dead, before)
+
+
+def test_triton_verify_commit_rounds_equal_prefill(interpret: None) -> None:
+    """Rounds accepting 3, 1, 4, 1, 2 nodes of random trees, on the Triton ops, end in the window and outputs of one
+    reference prefill of every accepted token."""
+    from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit
+    from jetserve.ops.dynamic_conv.verify import dynamic_conv_verify
+
+    num_nodes, width, d, g = 6, 4, 24, 8
+    gen = torch.Generator().manual_seed(19)
+    w2_weight, w2_bias = make_weights(d, g, width)
+    pool = make_pool(3, width, d)
+    slot = torch.tensor([2], dtype=torch.int32)
+    start_pool = pool.clone()
+    accepted_u, accepted_h, accepted_out = [], [], []
+    for count in [3, 1, 4, 1, 2]:
+        parents = random_tree(num_nodes, gen, min_depth=4)
+        u = torch.randn(num_nodes, d, generator=gen)
+        h = torch.randn(num_nodes, g, generator=gen)
+        out = dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slot, torch.tensor([parents], dtype=torch.int32))
+        deepest = max(range(num_nodes), key=lambda j: len(ancestry(parents, j)))
+        path = ancestry(parents, deepest)[:count]
+        accepted = torch.full((1, num_nodes), -1, dtype=torch.int32)
+        accepted[0, :count] = torch.tensor(path)
+        dynamic_conv_commit(u, pool, slot, accepted, torch.tensor([count], dtype=torch.int32))
+        accepted_u.append(u[path])
+        accepted_h.append(h[path])
+        accepted_out.append(out[path])
+    expect = ref.dynamic_conv_prefill(
+        torch.cat(accepted_u),
+        torch.cat(accepted_h),
+        w2_weight,
+        w2_bias,
+        start_pool,
+        torch.tensor([0, 11], dtype=torch.int32),
+        slot,
+        torch.tensor([True]),
+    )
+    torch.testing.assert_close(torch.cat(accepted_out), expect, rtol=1e-5, atol=1e-5)
+    assert_same_bits(pool, start_pool)
+
+
+def test_public_functions_dispatch_on_backend(interpret: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import jetserve.ops.dynamic_conv as dynamic_conv
+    from jetserve.ops import backend
+
+    calls = []
+    real = dynamic_conv._decode.dynamic_conv_decode
+    monkeypatch.setattr(dynamic_conv._decode, "dynamic_conv_decode", lambda *a: calls.append(1) or real(*a))
+    width, d, g = 4, 8, 4
+    w2_weight, w2_bias = make_weights(d, g, width)
+    u, h = torch.randn(2, d), torch.randn(2, g)
+    state_indices = torch.tensor([1, 2], dtype=torch.int32)
+    pool_triton, pool_ref = make_pool(3, width, d), make_pool(3, width, d)
+    try:
+        backend.set_backend("triton")
+        out_triton = dynamic_conv.dynamic_conv_decode(u, h, w2_weight, w2_bias, pool_triton, state_indices)
+        assert calls == [1]
+        backend.set_backend("reference")
+        out_ref = dynamic_conv.dynamic_conv_decode(u, h, w2_weight, w2_bias, pool_ref, state_indices)
+        assert calls == [1]
+    finally:
+        backend.set_backend(None)
+    torch.testing.assert_close(out_triton, out_ref, rtol=1e-5, atol=1e-5)
+    assert_same_bits(pool_triton, pool_ref)

@@ -8,28 +8,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _conv_width(w2_weight: torch.Tensor, conv_state: torch.Tensor) -> int:
-    """W, checked against both the kernel generator [D*W, G] and the window [S, W-1, D]."""
-    if conv_state.dim() != 3:
-        raise ValueError(f"conv_state must be [S, W-1, D], got shape {tuple(conv_state.shape)}")
-    width = conv_state.shape[1] + 1
-    num_channels = conv_state.shape[2]
-    if w2_weight.dim() != 2 or w2_weight.shape[0] != num_channels * width:
-        raise ValueError(
-            f"w2_weight must be [D*W, G] = [{num_channels * width}, G] for conv_state {tuple(conv_state.shape)}, "
-            f"got {tuple(w2_weight.shape)}"
-        )
-    return width
-
-
-def _check_tokens(u: torch.Tensor, h: torch.Tensor, w2_weight: torch.Tensor, w2_bias: torch.Tensor, d: int) -> None:
-    if u.dim() != 2 or u.shape[1] != d:
-        raise ValueError(f"u must be [T, D] with D = {d}, got shape {tuple(u.shape)}")
-    if h.dim() != 2 or h.shape[0] != u.shape[0] or h.shape[1] != w2_weight.shape[1]:
-        raise ValueError(f"h must be [T, G] = [{u.shape[0]}, {w2_weight.shape[1]}], got shape {tuple(h.shape)}")
-    if w2_bias.shape != (w2_weight.shape[0],):
-        raise ValueError(f"w2_bias must be [D*W] = [{w2_weight.shape[0]}], got shape {tuple(w2_bias.shape)}")
+from jetserve.ops.dynamic_conv.checks import (
+    check_commit_args,
+    check_decode_args,
+    check_prefill_args,
+    check_verify_args,
+)
 
 
 def _kernels(h: torch.Tensor, w2_weight: torch.Tensor, w2_bias: torch.Tensor, width: int) -> torch.Tensor:
@@ -54,15 +38,9 @@ def dynamic_conv_prefill(
     conv_state [S, W-1, D] (updated in place), cu_seqlens [N+1] int32, state_indices [N] int32,
     has_initial_state [N] bool. Returns silu(v̂) [T, D] in u.dtype.
     """
-    width = _conv_width(w2_weight, conv_state)
+    width = check_prefill_args(u, h, w2_weight, w2_bias, conv_state, cu_seqlens, state_indices, has_initial_state)
     num_channels = conv_state.shape[2]
-    _check_tokens(u, h, w2_weight, w2_bias, num_channels)
     num_seqs = state_indices.shape[0]
-    if cu_seqlens.shape != (num_seqs + 1,) or has_initial_state.shape != (num_seqs,):
-        raise ValueError(
-            f"cu_seqlens must be [N+1] and has_initial_state [N] for N = {num_seqs} sequences, got "
-            f"{tuple(cu_seqlens.shape)} and {tuple(has_initial_state.shape)}"
-        )
     num_tokens = u.shape[0]
     device = u.device
     cu = cu_seqlens.to(device=device, dtype=torch.long)  # [N+1]
@@ -103,10 +81,7 @@ def dynamic_conv_decode(
     u [N, D], h [N, G], w2_weight [D*W, G], w2_bias [D*W], conv_state [S, W-1, D], state_indices [N] int32.
     Returns silu(v̂) [N, D] in u.dtype.
     """
-    width = _conv_width(w2_weight, conv_state)
-    _check_tokens(u, h, w2_weight, w2_bias, conv_state.shape[2])
-    if state_indices.shape != (u.shape[0],):
-        raise ValueError(f"state_indices must be [N] = [{u.shape[0]}], got shape {tuple(state_indices.shape)}")
+    width = check_decode_args(u, h, w2_weight, w2_bias, conv_state, state_indices)
     slots = state_indices.to(device=u.device, dtype=torch.long)  # [N]
     inputs = torch.cat([conv_state[slots].float(), u.float()[:, None, :]], dim=1)  # [N, W, D]
     kappa = _kernels(h, w2_weight, w2_bias, width)  # [N, D, W]
@@ -130,16 +105,9 @@ def dynamic_conv_verify(
     conv_state [S, W-1, D], state_indices [N] int32, tree_parents [N, T_d] int32 (node 0's parent is -1). Node j's
     window is its ancestry path, falling back into the committed window. Returns silu(v̂) [T, D] in u.dtype.
     """
-    width = _conv_width(w2_weight, conv_state)
+    width = check_verify_args(u, h, w2_weight, w2_bias, conv_state, state_indices, tree_parents)
     num_channels = conv_state.shape[2]
-    _check_tokens(u, h, w2_weight, w2_bias, num_channels)
-    if tree_parents.dim() != 2 or tree_parents.shape[0] != state_indices.shape[0]:
-        raise ValueError(
-            f"tree_parents must be [N, T_d] with N = {state_indices.shape[0]}, got shape {tuple(tree_parents.shape)}"
-        )
     num_seqs, num_nodes = tree_parents.shape
-    if u.shape[0] != num_seqs * num_nodes:
-        raise ValueError(f"u must hold N*T_d = {num_seqs * num_nodes} tokens, got {u.shape[0]}")
     device = u.device
     slots = state_indices.to(device=device, dtype=torch.long)  # [N]
     parents = tree_parents.to(device=device, dtype=torch.long)  # [N, T_d]
@@ -179,19 +147,9 @@ def dynamic_conv_commit(
     accepted_nodes [N, T_d] int32 (node indices, root first; entries past num_accepted are ignored),
     num_accepted [N] int32 (0 leaves the window unchanged).
     """
-    if conv_state.dim() != 3:
-        raise ValueError(f"conv_state must be [S, W-1, D], got shape {tuple(conv_state.shape)}")
-    width = conv_state.shape[1] + 1
+    width = check_commit_args(u, conv_state, state_indices, accepted_nodes, num_accepted)
     num_channels = conv_state.shape[2]
-    if accepted_nodes.dim() != 2 or accepted_nodes.shape[0] != state_indices.shape[0]:
-        raise ValueError(
-            f"accepted_nodes must be [N, T_d] with N = {state_indices.shape[0]}, got {tuple(accepted_nodes.shape)}"
-        )
     num_seqs, num_nodes = accepted_nodes.shape
-    if u.shape != (num_seqs * num_nodes, num_channels):
-        raise ValueError(f"u must be [N*T_d, D] = [{num_seqs * num_nodes}, {num_channels}], got {tuple(u.shape)}")
-    if num_accepted.shape != (num_seqs,):
-        raise ValueError(f"num_accepted must be [N] = [{num_seqs}], got shape {tuple(num_accepted.shape)}")
     device = u.device
     slots = state_indices.to(device=device, dtype=torch.long)  # [N]
     nodes = accepted_nodes.to(device=device, dtype=torch.long).clamp(0, num_nodes - 1)  # [N, T_d]

@@ -1,0 +1,262 @@
+"""Inputs at the real Jet-Nemotron shapes for every op, shared by bench/kernels.py and bench/memcheck_kernels.py.
+
+Each `case_*` returns (call, bytes_moved, flops): `call()` runs the public op once (the Triton variant on CUDA),
+`bytes_moved` counts each input read once and each output written once (the roofline's numerator).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jetserve.ops.attention import attention_decode, attention_prefill, attention_verify  # noqa: E402
+from jetserve.ops.dynamic_conv import (  # noqa: E402
+    dynamic_conv_commit,
+    dynamic_conv_decode,
+    dynamic_conv_prefill,
+    dynamic_conv_verify,
+)
+from jetserve.ops.gated_delta_rule import (  # noqa: E402
+    gated_delta_rule_commit,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+    gated_delta_rule_verify,
+)
+from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+
+Case = tuple[Callable[[], object], int, int]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    name: str
+    hidden: int
+    mlp: int
+    jet_heads: int  # H
+    key_dim: int  # K
+    value_dim: int  # V
+    conv: int  # W
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def channels(self) -> int:  # D_v
+        return self.jet_heads * self.value_dim
+
+    @property
+    def generator(self) -> int:  # D_g
+        return self.channels // 8
+
+
+SHAPES = {
+    "2b": Shapes("2b", 1536, 8960, 12, 96, 256, 4, 12, 2, 128),
+    "4b": Shapes("4b", 2048, 11008, 16, 128, 256, 4, 16, 2, 128),
+    # Small enough for the CPU reference backend: checks this script, not speed.
+    "smoke": Shapes("smoke", 64, 128, 2, 16, 32, 4, 4, 2, 16),
+}
+PAGE_SIZE = 16
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def tree_parents(num_seqs: int, num_nodes: int, chain: bool, device: str) -> torch.Tensor:
+    """[N, T_d] int32: a chain (parent j-1) or a binary-ish tree (parent (j-1)//2), node 0's parent -1."""
+    j = torch.arange(num_nodes, device=device)
+    parents = j - 1 if chain else (j - 1) // 2
+    parents[0] = -1
+    return parents.to(torch.int32).expand(num_seqs, num_nodes).contiguous()
+
+
+def _slots(num_seqs: int, device: str) -> torch.Tensor:
+    return torch.arange(1, num_seqs + 1, dtype=torch.int32, device=device)  # slot 0 is the padding slot
+
+
+def conv_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
+    """dynamic_conv: kind decode (n sequences), prefill (n tokens, one sequence), verify/commit (n sequences)."""
+    D, G, W = s.channels, s.generator, s.conv
+    w2 = _randn(D * W, G, dtype=dtype, device=device, scale=G**-0.5)
+    bias = _randn(D * W, dtype=dtype, device=device, scale=0.1)
+    num_seqs = 1 if kind == "prefill" else n
+    state = _randn(num_seqs + 1, W - 1, D, dtype=dtype, device=device)
+    idx = _slots(num_seqs, device)
+    T = {"decode": n, "prefill": n}.get(kind, n * nodes)
+    u = _randn(T, D, dtype=dtype, device=device)
+    h = _randn(T, G, dtype=dtype, device=device)
+    window_bytes = _nbytes(state[1:])
+    io_bytes = _nbytes(u, h, w2, bias) + _nbytes(u)  # inputs + output
+    if kind == "decode":
+        return lambda: dynamic_conv_decode(u, h, w2, bias, state, idx), io_bytes + 2 * window_bytes, 2 * T * G * D * W
+    if kind == "prefill":
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        has = torch.ones(1, dtype=torch.bool, device=device)
+        return (
+            lambda: dynamic_conv_prefill(u, h, w2, bias, state, cu, idx, has),
+            io_bytes + 2 * window_bytes,
+            2 * T * G * D * W,
+        )
+    parents = tree_parents(n, nodes, chain, device)
+    if kind == "verify":
+        return (
+            lambda: dynamic_conv_verify(u, h, w2, bias, state, idx, parents),
+            io_bytes + window_bytes,
+            2 * T * G * D * W,
+        )
+    accepted = torch.arange(nodes, dtype=torch.int32, device=device).expand(n, nodes).contiguous()
+    num = torch.full((n,), min(nodes, 3), dtype=torch.int32, device=device)
+    return lambda: dynamic_conv_commit(u, state, idx, accepted, num), 2 * window_bytes, 0
+
+
+def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
+    """gated_delta_rule: decode (n sequences), prefill (n tokens, one sequence), verify/commit (n sequences)."""
+    H, K, V = s.jet_heads, s.key_dim, s.value_dim
+    num_seqs = 1 if kind == "prefill" else n
+    T = {"decode": n, "prefill": n}.get(kind, n * nodes)
+    q, k = _randn(T, H, K, dtype=dtype, device=device), _randn(T, H, K, dtype=dtype, device=device)
+    v = _randn(T, H, V, dtype=dtype, device=device)
+    a, b = _randn(T, H, dtype=dtype, device=device), _randn(T, H, dtype=dtype, device=device)
+    A_log = torch.empty(H, device=device).uniform_(0, 2.7)
+    dt_bias = torch.empty(H, device=device).uniform_(-4, -1)
+    state = _randn(num_seqs + 1, H, K, V, dtype=torch.float32, device=device, scale=0.1)
+    idx = _slots(num_seqs, device)
+    state_bytes = _nbytes(state[1:])
+    io_bytes = _nbytes(q, k, v, a, b) + _nbytes(v)
+    gates = (A_log, dt_bias, state)
+    if kind == "decode":
+        return (
+            lambda: gated_delta_rule_decode(q, k, v, a, b, *gates, idx),
+            io_bytes + 2 * state_bytes,
+            6 * T * H * K * V,
+        )
+    if kind == "prefill":
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        has = torch.ones(1, dtype=torch.bool, device=device)
+        return (
+            lambda: gated_delta_rule_prefill(q, k, v, a, b, *gates, cu, idx, has),
+            io_bytes + 2 * state_bytes,
+            6 * T * H * K * V,
+        )
+    parents = tree_parents(n, nodes, chain, device)
+    if kind == "verify":
+        return (
+            lambda: gated_delta_rule_verify(q, k, v, a, b, *gates, idx, parents),
+            io_bytes + state_bytes,
+            6 * T * H * K * V,
+        )
+    accepted = torch.arange(nodes, dtype=torch.int32, device=device).expand(n, nodes).contiguous()
+    num = torch.full((n,), min(nodes, 3), dtype=torch.int32, device=device)
+    return (
+        lambda: gated_delta_rule_commit(k, v, a, b, *gates, idx, accepted, num),
+        _nbytes(k, v, a, b) + 2 * state_bytes,
+        6 * n * 3 * H * K * V,
+    )
+
+
+def attention_cases(
+    s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, context: int, nodes: int = 0, window: int = 0
+):
+    """attention over a paged cache: decode (n sequences at `context`), prefill (n new tokens after `context`
+    cached ones, one sequence), verify (n sequences, `nodes` chain nodes after `context`)."""
+    H, HK, Dh = s.heads, s.kv_heads, s.head_dim
+    num_seqs = 1 if kind == "prefill" else n
+    new = {"decode": 1, "prefill": n}.get(kind, nodes)
+    total = context + new
+    pages_per_seq = -(-total // PAGE_SIZE)
+    num_pages = 1 + num_seqs * pages_per_seq
+    k_cache = _randn(num_pages, PAGE_SIZE, HK, Dh, dtype=dtype, device=device)
+    v_cache = _randn(num_pages, PAGE_SIZE, HK, Dh, dtype=dtype, device=device)
+    tables = (1 + torch.arange(num_seqs * pages_per_seq, device=device, dtype=torch.int32)).view(num_seqs, -1)
+    T = num_seqs * new
+    q = _randn(T, H, Dh, dtype=dtype, device=device)
+    k, v = _randn(T, HK, Dh, dtype=dtype, device=device), _randn(T, HK, Dh, dtype=dtype, device=device)
+    pos = torch.arange(context, total, device=device).repeat(num_seqs)  # [T]
+    owner = torch.arange(num_seqs, device=device).repeat_interleave(new)
+    slots = (tables[owner, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE).contiguous()
+    lens = torch.full((num_seqs,), total, dtype=torch.int32, device=device)
+    keys_read = min(total, window) if window else total
+    kv_bytes = 2 * num_seqs * keys_read * HK * Dh * dtype.itemsize
+    io_bytes = _nbytes(q, k, v) + _nbytes(q)
+    opts = dict(scale=Dh**-0.5, window_tokens=window, ring_tokens=0)
+    flops = 4 * T * keys_read * H * Dh
+    if kind == "decode":
+        return (
+            lambda: attention_decode(q, k, v, k_cache, v_cache, lens, tables, slots, **opts),
+            kv_bytes + io_bytes,
+            flops,
+        )
+    if kind == "prefill":
+        cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+        return (
+            lambda: attention_prefill(q, k, v, k_cache, v_cache, cu, lens, tables, slots, max_seqlen_q=T, **opts),
+            kv_bytes + io_bytes,
+            flops // 2 if context == 0 else flops,
+        )
+    parents = tree_parents(n, nodes, True, device)
+    mask = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool, device=device)).expand(n, nodes, nodes).contiguous()
+    del parents
+    return (
+        lambda: attention_verify(q, k, v, k_cache, v_cache, mask, lens, tables, slots, **opts),
+        kv_bytes + io_bytes,
+        flops,
+    )
+
+
+def norm_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int):
+    """rms_norm with residual (n tokens, hidden), gated_rms_norm (n tokens, JetBlock heads), silu_and_mul (MLP)."""
+    if kind == "rms_norm":
+        x, r = _randn(n, s.hidden, dtype=dtype, device=device), _randn(n, s.hidden, dtype=dtype, device=device)
+        w = _randn(s.hidden, dtype=dtype, device=device)
+        return lambda: rms_norm(x, w, 1e-6, r), 4 * _nbytes(x) + _nbytes(w), 0
+    if kind == "gated_rms_norm":
+        o = _randn(n, s.jet_heads, s.value_dim, dtype=dtype, device=device)
+        g = _randn(n, s.jet_heads, s.value_dim, dtype=dtype, device=device)
+        w = _randn(s.value_dim, dtype=dtype, device=device)
+        return lambda: gated_rms_norm(o, w, g, 1e-5), 3 * _nbytes(o) + _nbytes(w), 0
+    x = _randn(n, 2 * s.mlp, dtype=dtype, device=device)
+    return lambda: silu_and_mul(x), _nbytes(x) * 3 // 2, 0
+
+
+def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -> dict[str, Callable[[], Case]]:
+    """Every case by name, built lazily. `small` shrinks the sizes (memcheck and the CPU smoke run)."""
+    decode_batches = (1, 64, 256) if not small else (1, 3)
+    prefill_tokens = (4096, 32768) if not small else (300, 65)
+    verify_batches = (1, 16, 64) if not small else (1, 2)
+    context = 4096 if not small else 40
+    cases: dict[str, Callable[[], Case]] = {}
+    for n in decode_batches:
+        cases[f"dynamic_conv decode N={n}"] = lambda n=n: conv_cases(s, dtype, device, "decode", n)
+        cases[f"gated_delta_rule decode N={n}"] = lambda n=n: gdr_cases(s, dtype, device, "decode", n)
+        cases[f"attention decode N={n} ctx={context}"] = lambda n=n: attention_cases(
+            s, dtype, device, "decode", n, context
+        )
+        for kind in ("rms_norm", "gated_rms_norm", "silu_and_mul"):
+            cases[f"{kind} T={n}"] = lambda n=n, kind=kind: norm_cases(s, dtype, device, kind, n)
+    for t in prefill_tokens:
+        cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
+        cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)
+        cases[f"attention prefill T={t}"] = lambda t=t: attention_cases(s, dtype, device, "prefill", t, 0)
+    for n in verify_batches:
+        for nodes, chain, label in ((7, True, "chain6"), (8, False, "tree8")):
+            for kind in ("verify", "commit"):
+                cases[f"dynamic_conv {kind} {label} N={n}"] = lambda n=n, nodes=nodes, chain=chain, kind=kind: (
+                    conv_cases(s, dtype, device, kind, n, nodes, chain)
+                )
+                cases[f"gated_delta_rule {kind} {label} N={n}"] = lambda n=n, nodes=nodes, chain=chain, kind=kind: (
+                    gdr_cases(s, dtype, device, kind, n, nodes, chain)
+                )
+        cases[f"attention verify chain6 N={n} ctx={context}"] = lambda n=n: attention_cases(
+            s, dtype, device, "verify", n, context, nodes=7
+        )
+    return cases

@@ -1,0 +1,318 @@
+"""ModelRunner: owns the K/V caches, turns a Batch into a ForwardBatch, runs the model and samples (→ StepOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from jetserve.engine.memory_plan import MemoryPlan
+from jetserve.engine.sampler import Sampler
+from jetserve.engine.scheduler import Batch
+from jetserve.engine.sequence import Sequence, TokenLogprobs
+from jetserve.engine.state_pool import StatePool
+from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
+from jetserve.model.jet_nemotron import JetNemotronForCausalLM
+from jetserve.ops.sampling import compute_logprobs, top_logprobs
+
+
+@dataclass
+class StepOutput:
+    """What one step produced, on the host: a token per sequence of the batch (meaningful where it sampled)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # per sequence, where the request asked for them
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # batch row → new prompt positions
+
+
+class ModelRunner:
+    """Allocates the K/V caches (the StatePool holds the JetBlock state), binds both to the model, and runs steps.
+
+    The host work of a step is building index lists once (token ids, positions, per-sequence offsets and slots)
+    and one copy to the device; everything derived from them (K/V slot mapping, block tables, sampling rows) is
+    computed on the device from tables indexed by state slot. The one synchronisation is reading the sampled tokens.
+    """
+
+    def __init__(self, model: JetNemotronForCausalLM, plan: MemoryPlan, state_pool: StatePool) -> None:
+        config = model.config
+        weight = model.model.embed_tokens.weight
+        self.model = model
+        self.config = config
+        self.plan = plan
+        self.device = weight.device
+        self.dtype = weight.dtype
+        self.page_size = plan.page_size
+        self.has_attn = "attn" in config.layer_types
+        self.has_swa = "swa" in config.layer_types
+        kv_shape = (config.num_key_value_heads, config.head_dim)
+        ring_pages = plan.ring_tokens // plan.page_size
+        self.kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, kind in enumerate(config.layer_types):
+            if kind == "jet":
+                continue
+            num_pages = plan.num_pages if kind == "attn" else plan.num_slots * ring_pages
+            shape = (num_pages, plan.page_size, *kv_shape)  # [num_pages, page_size, HK, Dh]
+            self.kv_caches[layer] = (self._zeros(shape), self._zeros(shape))
+        model.bind_caches(self.kv_caches, *state_pool.layer_states())
+        # Logical → physical `attn` page of the sequence in each slot; row 0 (the padding slot) stays all page 0.
+        self.block_table = torch.zeros(
+            plan.num_slots, plan.max_pages_per_seq, dtype=torch.int32, device=self.device
+        )  # [S, P]
+        self._slot_owner = [-1] * plan.num_slots  # seq_id whose pages/params the slot's rows hold
+        self._slot_synced_pages = [0] * plan.num_slots
+        self.sampler = Sampler(plan.num_slots, self.device)
+        self._ring_offsets = torch.arange(ring_pages, dtype=torch.int64, device=self.device)  # [R]
+        self._is_pinned = self.device.type == "cuda"
+        self.graph_runner = None  # a GraphRunner once `capture_graphs` ran
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---- the step ----
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepOutput:
+        seqs = batch.seqs
+        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))  # [N]
+        self._claim_slots(seqs, slots)
+        self.sampler.sync()
+        if batch.phase is Phase.DECODE:
+            host = np.empty((3, len(seqs)), dtype=np.int64)
+            host[0] = [s.token_ids[-1] for s in seqs]
+            host[1] = [s.num_computed_tokens for s in seqs]
+            host[2] = slots
+            input_ids, positions, state_indices = self._upload(host)
+            if self.graph_runner is not None and self.graph_runner.fits(len(seqs)):
+                logits = self.graph_runner.run(input_ids, positions, state_indices)  # [N, V]
+            else:
+                logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
+            counters = positions + 1
+            hidden = None
+        else:
+            fb, counters = self.prefill_forward_batch(batch, slots)
+            hidden = self.model(fb)  # [T, hidden]
+            logits = self.model.compute_logits(hidden[fb.cu_seqlens[1:].long() - 1])  # [N, V]
+            state_indices = fb.state_indices
+        is_all_greedy = self.sampler.is_all_greedy(slots)
+        tokens = self.sampler(logits, state_indices, counters, is_all_greedy)  # [N]
+        out = StepOutput(tokens.tolist())
+        if any(s.sampling_params.logprobs is not None for s in seqs):
+            out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
+        if hidden is not None and any(s.wants_prompt_logprobs for s in seqs):
+            out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        return out
+
+    def _claim_slots(self, seqs: list[Sequence], slots: np.ndarray) -> None:
+        """Bring the slot-indexed tables up to date: sampling parameters of newly placed sequences, new pages."""
+        rows, cols, pages = [], [], []
+        for seq, slot in zip(seqs, slots.tolist(), strict=True):
+            if self._slot_owner[slot] != seq.seq_id:
+                self._slot_owner[slot] = seq.seq_id
+                self._slot_synced_pages[slot] = 0
+                self.sampler.set_slot(slot, seq.sampling_params, seq.seed)
+            synced = self._slot_synced_pages[slot]
+            if len(seq.pages) > synced:
+                new = seq.pages[synced:]
+                rows += [slot] * len(new)
+                cols += range(synced, len(seq.pages))
+                pages += new
+                self._slot_synced_pages[slot] = len(seq.pages)
+        if pages:
+            index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+            values = torch.tensor(pages, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.block_table[index[0], index[1]] = values
+
+    def _upload(self, rows: np.ndarray) -> list[torch.Tensor]:
+        """Copy a [C, n] int64 host array to the device at once; returns its C rows."""
+        host = torch.from_numpy(rows)  # [C, n]
+        if self._is_pinned:
+            host = host.pin_memory()
+        return list(host.to(self.device, non_blocking=True).unbind(0))
+
+    def prefill_forward_batch(self, batch: Batch, slots: np.ndarray) -> tuple[ForwardBatch, torch.Tensor]:
+        """The ForwardBatch of a PREFILL step, and the sampling counter per sequence [N] (its length when sampling)."""
+        seqs, starts_list, lens_list = batch.seqs, batch.start_positions, batch.num_new_tokens
+        num_seqs, num_tokens = len(seqs), batch.num_tokens
+        ids = [t for s, st, n in zip(seqs, starts_list, lens_list, strict=True) for t in s.token_ids[st : st + n]]
+        lens = np.asarray(lens_list, dtype=np.int64)  # [N]
+        starts = np.asarray(starts_list, dtype=np.int64)  # [N]
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        owner = np.repeat(np.arange(num_seqs), lens)  # [T]: which sequence each token belongs to
+        positions = np.arange(num_tokens) - cu[owner] + starts[owner]  # [T]
+        context = starts + lens  # [N]
+        # One [7, T+1] host buffer (T ≥ N, so every column fits), one copy to the device.
+        host = np.zeros((7, num_tokens + 1), dtype=np.int64)
+        host[0, :num_tokens] = ids
+        host[1, :num_tokens] = positions
+        host[2, :num_tokens] = owner
+        host[3, : num_seqs + 1] = cu
+        host[4, :num_seqs] = context
+        host[5, :num_seqs] = slots
+        host[6, :num_seqs] = starts
+        dev = self._upload(host)
+        input_ids, positions_d, owner_d = (t[:num_tokens] for t in dev[:3])
+        cu_d, context_d, slots_d, starts_d = dev[3][: num_seqs + 1], *(t[:num_seqs] for t in dev[4:])
+        rows = slots_d[owner_d]  # [T]: state slot of each token
+        num_cols = -(-int(context.max()) // self.page_size)
+        kv, swa_kv = self._kv_metadata(positions_d, rows, context_d[owner_d], slots_d, num_cols)
+        fb = ForwardBatch(
+            phase=Phase.PREFILL,
+            input_ids=input_ids,
+            positions=positions_d,
+            cu_seqlens=cu_d.to(torch.int32),
+            context_lens=context_d.to(torch.int32),
+            state_indices=slots_d.to(torch.int32),
+            has_initial_state=starts_d > 0,
+            max_seqlen_q=int(lens.max()),
+            kv=kv,
+            swa_kv=swa_kv,
+        )
+        return fb, context_d
+
+    def decode_forward_batch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor
+    ) -> ForwardBatch:
+        """A DECODE ForwardBatch built on the device from [B] token ids, positions and slots (graph-capturable:
+        no host reads; rows with slot 0 are padding and write nothing)."""
+        num_seqs = input_ids.shape[0]
+        rows = state_indices.long()
+        context = positions + 1  # [B]
+        kv, swa_kv = self._kv_metadata(positions, rows, context, rows, self.plan.max_pages_per_seq)
+        return ForwardBatch(
+            phase=Phase.DECODE,
+            input_ids=input_ids,
+            positions=positions,
+            cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device),
+            context_lens=context.to(torch.int32),
+            state_indices=state_indices.to(torch.int32),
+            has_initial_state=torch.ones(num_seqs, dtype=torch.bool, device=self.device),
+            max_seqlen_q=1,
+            kv=kv,
+            swa_kv=swa_kv,
+        )
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor):
+        """[B] inputs → logits [B, V] fp32 (what a decode CUDA graph captures)."""
+        hidden = self.model(self.decode_forward_batch(input_ids, positions, state_indices))  # [B, hidden]
+        return self.model.compute_logits(hidden)
+
+    def _kv_metadata(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        rows: torch.Tensor,  # [T] int64: state slot of each token's sequence
+        seq_ends: torch.Tensor,  # [T] int64: the context length of each token's sequence after this step
+        state_indices: torch.Tensor,  # [N]
+        num_cols: int,  # block-table columns to pass (pages of the longest sequence)
+    ) -> tuple[KVMetadata | None, KVMetadata | None]:
+        is_real = rows > 0  # padded rows (slot 0) write nothing
+        kv = swa_kv = None
+        if self.has_attn:
+            ps = self.page_size
+            pages = self.block_table[rows, positions // ps].long()  # [T]
+            slot_mapping = torch.where(is_real, pages * ps + positions % ps, -1)  # [T]
+            kv = KVMetadata(slot_mapping, self.block_table[state_indices.long(), :num_cols])
+        if self.has_swa:
+            ring = self.plan.ring_tokens
+            # A token that a later token of the same chunk overwrites in the ring is not written at all.
+            is_kept = is_real & (positions >= seq_ends - ring)  # [T]
+            slot_mapping = torch.where(is_kept, rows * ring + positions % ring, -1)  # [T]
+            ring_pages = self._ring_offsets.shape[0]
+            tables = (state_indices.long()[:, None] * ring_pages + self._ring_offsets).to(torch.int32)  # [N, R]
+            swa_kv = KVMetadata(slot_mapping, tables, ring_tokens=ring)
+        return kv, swa_kv
+
+    # ---- log-probs (only when a request asks) ----
+
+    def _token_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
+    ) -> list[TokenLogprobs | None]:
+        k = max(s.sampling_params.logprobs or 0 for s in seqs)
+        chosen = compute_logprobs(logits, tokens).tolist()  # [N]
+        top_values, top_ids = top_logprobs(logits, k)  # [N, k] each
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, seq in enumerate(seqs):
+            n = seq.sampling_params.logprobs
+            entry = TokenLogprobs(token_ids[i], chosen[i], top_ids[i][:n], top_values[i][:n]) if n is not None else None
+            out.append(entry)
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: Batch) -> dict[int, list[TokenLogprobs]]:
+        """Log-probs of the prompt tokens this step's chunks predict that no earlier step recorded."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.start_positions, batch.num_new_tokens, strict=True)):
+            if seq.wants_prompt_logprobs:
+                # Token t is predicted by the hidden state at position t - 1.
+                first = max(start + 1, len(seq.prompt_logprobs))
+                end = min(start + n + 1, seq.num_prompt_tokens)
+                if first < end:
+                    spans[i] = (len(targets), end - first)
+                    rows += range(offset + first - 1 - start, offset + end - 1 - start)
+                    targets += seq.token_ids[first:end]
+            offset += n
+        if not targets:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [M, V]
+        target_ids = torch.tensor(targets, device=self.device)
+        chosen = compute_logprobs(logits, target_ids).tolist()
+        k = max(batch.seqs[i].sampling_params.prompt_logprobs for i in spans)
+        top_values, top_ids = (t.tolist() for t in top_logprobs(logits, k))
+        out = {}
+        for i, (first, count) in spans.items():
+            n = batch.seqs[i].sampling_params.prompt_logprobs
+            span = range(first, first + count)
+            out[i] = [TokenLogprobs(targets[j], chosen[j], top_ids[j][:n], top_values[j][:n]) for j in span]
+        return out
+
+    # ---- CUDA graphs ----
+
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        from jetserve.engine.cuda_graph import GraphRunner
+
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        self.graph_runner = GraphRunner(self, batch_sizes)
+        self.graph_runner.capture()
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: JetNemotronForCausalLM, max_num_tokens: int, max_num_seqs: int) -> int:
+    """Peak device memory of the largest step (a `max_num_tokens` prefill, logits and sampling for `max_num_seqs`
+    rows) above what is allocated now, measured with one-page/one-slot dummy caches that every row pads into."""
+    config = model.config
+    device = model.model.embed_tokens.weight.device
+    dtype = model.model.embed_tokens.weight.dtype
+    assert device.type == "cuda"
+    plan = MemoryPlan(16, 2, 2, 16 if "swa" in config.layer_types else 0, 16, 0, 0)
+    pool = StatePool.for_model(config, 2, dtype, device)
+    runner = ModelRunner(model, plan, pool)
+    num_seqs = max(1, min(max_num_seqs, max_num_tokens))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    lens = [max_num_tokens // num_seqs + (i < max_num_tokens % num_seqs) for i in range(num_seqs)]
+    cu = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32, device=device)
+    zeros_n = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+    fb = ForwardBatch(
+        phase=Phase.PREFILL,
+        input_ids=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
+        positions=torch.cat([torch.arange(n, device=device) for n in lens]),
+        cu_seqlens=cu,
+        context_lens=cu.diff(),
+        state_indices=zeros_n,
+        has_initial_state=zeros_n.bool(),
+        max_seqlen_q=max(lens),
+        kv=KVMetadata(torch.full((max_num_tokens,), -1, device=device), zeros_n[:, None]),
+        swa_kv=KVMetadata(torch.full((max_num_tokens,), -1, device=device), zeros_n[:, None], ring_tokens=16),
+    )
+    hidden = model(fb)
+    logits = model.compute_logits(hidden[:1].expand(max_num_seqs, -1))  # [max_num_seqs, V]
+    runner.sampler(logits, torch.zeros(max_num_seqs, dtype=torch.int32, device=device),
+                   torch.zeros(max_num_seqs, dtype=torch.int64, device=device), is_all_greedy=False)  # fmt: skip
+    del hidden, logits, fb, runner, pool
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before

@@ -1,0 +1,63 @@
+"""Sampler: each state slot's sampling parameters kept on the device, and the draw of one step's tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from jetserve.ops.sampling import sample
+from jetserve.sampling_params import SamplingParams
+
+
+class Sampler:
+    """Per-slot parameter tensors `[S]`, written on the host when a sequence takes a slot and copied to the device
+    once per step when they changed, so a step gathers its rows by state index with no host loop.
+
+    A request's draw depends only on (its seed, its counter, its logits): the counter is the sequence's length when
+    it samples (prompt + output so far), so a request samples the same tokens in any batch and after a preemption.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self._host = {
+            "temperature": np.zeros(num_slots, np.float32),
+            "top_k": np.zeros(num_slots, np.int32),
+            "top_p": np.ones(num_slots, np.float32),
+            "min_p": np.zeros(num_slots, np.float32),
+            "seeds": np.zeros(num_slots, np.int64),
+        }
+        self.params = {name: torch.from_numpy(a.copy()).to(device) for name, a in self._host.items()}  # [S] each
+        self._is_dirty = False
+
+    def set_slot(self, slot: int, params: SamplingParams, seed: int) -> None:
+        host = self._host
+        host["temperature"][slot] = params.temperature
+        host["top_k"][slot] = params.top_k
+        host["top_p"][slot] = params.top_p
+        host["min_p"][slot] = params.min_p
+        host["seeds"][slot] = seed
+        self._is_dirty = True
+
+    def sync(self) -> None:
+        """Copy changed parameters to the device (before the step that uses them)."""
+        if self._is_dirty:
+            for name, array in self._host.items():
+                self.params[name].copy_(torch.from_numpy(array), non_blocking=False)
+            self._is_dirty = False
+
+    def is_all_greedy(self, slots: np.ndarray) -> bool:
+        """Whether every one of these slots samples greedily (then a step needs only an argmax)."""
+        return bool((self._host["temperature"][slots] == 0).all())
+
+    def __call__(
+        self, logits: torch.Tensor, state_indices: torch.Tensor, counters: torch.Tensor, is_all_greedy: bool
+    ) -> torch.Tensor:
+        """logits [N, V] fp32, state_indices [N], counters [N] int64 → tokens [N] int64."""
+        if is_all_greedy:
+            return logits.argmax(dim=-1)
+        rows = state_indices.long()
+        p = self.params
+        return sample(
+            logits, p["temperature"][rows], p["top_k"][rows], p["top_p"][rows], p["min_p"][rows], p["seeds"][rows],
+            counters.long(),
+        )  # fmt: skip

@@ -7,6 +7,10 @@ import math
 import pytest
 import torch
 
+from jetserve import envs
+from jetserve.ops import gated_delta_rule as ops
+from jetserve.ops.backend import set_backend
+from jetserve.ops.gated_delta_rule import chunk, decode, tree
 from jetserve.ops.gated_delta_rule import reference as ref
 
 H, K, V = 3, 16, 8
@@ -337,3 +341,127 @@ def test_bad_shapes_raise():
         ref.gated_delta_rule_decode(
             tokens["q"][:2, :, :8], *(tokens[n][:2] for n in "kvab"), A_log, dt_bias, pool, slots
         )
+
+
+# ---- Triton variants under the interpreter (fp32, small awkward shapes; on a GPU the _gpu tests cover them) ----
+
+needs_interpreter = pytest.mark.skipif(
+    not envs.triton_interpret(), reason="Triton variants run here in the interpreter"
+)
+TK, TV, BLOCK_V = 20, 24, 16  # K pads to 32 in-kernel; V = 1.5 tiles
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every new floating tensor from torch.empty / empty_like starts as NaN, so an unwritten output cannot pass."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(x: torch.Tensor) -> torch.Tensor:
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
+
+
+@needs_interpreter
+def test_triton_decode_matches_reference(poisoned_empty):
+    gen = torch.Generator().manual_seed(10)
+    A_log, dt_bias = make_params(H, gen)
+    slots = torch.tensor([3, 0, 5, 1, 0], dtype=torch.int32)  # rows 1 and 4 are padding
+    tokens = make_tokens(len(slots), H, TK, TV, gen)
+    pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
+    pool_ref, before = pool.clone(), pool.clone()
+    args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias]
+    o = decode.gated_delta_rule_decode(*args, pool, slots, block_v=BLOCK_V)
+    o_ref = ref.gated_delta_rule_decode(*args, pool_ref, slots)
+    real = torch.tensor([0, 2, 3])
+    assert_rel_close(o[real], o_ref[real], 1e-5)
+    assert torch.isfinite(o).all()
+    assert_rel_close(pool[[3, 5, 1]], pool_ref[[3, 5, 1]], 1e-5)
+    for slot in (2, 4, 6):
+        assert torch.equal(pool[slot], before[slot])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("chain", [True, False])
+def test_triton_verify_matches_reference(chain, poisoned_empty):
+    gen = torch.Generator().manual_seed(11)
+    A_log, dt_bias = make_params(H, gen)
+    N, T_d = 3, 6
+    slots = torch.tensor([4, 1, 4], dtype=torch.int32)
+    parents = random_parents(N, T_d, gen, chain=chain)
+    tokens = make_tokens(N * T_d, H, TK, TV, gen)
+    pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
+    before = pool.clone()
+    args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias, pool, slots, parents]
+    o = tree.gated_delta_rule_verify(*args, block_v=BLOCK_V)
+    assert torch.equal(pool, before)
+    assert_rel_close(o, ref.gated_delta_rule_verify(*args), 1e-5)
+
+
+@needs_interpreter
+def test_triton_commit_matches_reference():
+    gen = torch.Generator().manual_seed(12)
+    A_log, dt_bias = make_params(H, gen)
+    N, T_d = 4, 5
+    slots = torch.tensor([2, 6, 3, 1], dtype=torch.int32)
+    parents = random_parents(N, T_d, gen)
+    accepted, num = random_acceptance(parents, gen)
+    num[2] = 0
+    tokens = make_tokens(N * T_d, H, TK, TV, gen)
+    pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
+    pool_ref, before = pool.clone(), pool.clone()
+    args = [tokens[n] for n in "kvab"] + [A_log, dt_bias]
+    tree.gated_delta_rule_commit(*args, pool, slots, accepted, num, block_v=BLOCK_V)
+    ref.gated_delta_rule_commit(*args, pool_ref, slots, accepted, num)
+    assert_rel_close(pool, pool_ref, 1e-5)
+    for slot in (0, 3, 4, 5):
+        assert torch.equal(pool[slot], before[slot])
+
+
+@needs_interpreter
+def test_fla_chunk_prefill_matches_reference(poisoned_empty):
+    gen = torch.Generator().manual_seed(13)
+    num_heads, k_dim, v_dim = 2, 16, 16
+    A_log, dt_bias = make_params(num_heads, gen)
+    lengths, slots, has_init = [1, 65, 0, 4], [3, 1, 5, 2], [True, False, True, True]
+    tokens = make_tokens(sum(lengths), num_heads, k_dim, v_dim, gen)
+    pool = make_pool(NUM_SLOTS, num_heads, k_dim, v_dim, gen)
+    pool_ref, before = pool.clone(), pool.clone()
+    o = run_prefill(chunk.chunk_gated_delta_rule_prefill, tokens, A_log, dt_bias, pool, lengths, slots, has_init)
+    o_ref = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool_ref, lengths, slots, has_init)
+    assert_rel_close(o, o_ref, 1e-5)
+    assert_rel_close(pool, pool_ref, 1e-5)
+    for slot in (0, 4, 6):
+        assert torch.equal(pool[slot], before[slot])
+    assert torch.equal(pool[5], before[5])  # empty sequence with an initial state
+
+
+@needs_interpreter
+def test_public_ops_dispatch_to_triton():
+    """prefill → decode → verify → commit through the public functions: the triton backend equals the reference."""
+    gen = torch.Generator().manual_seed(14)
+    num_heads, k_dim, v_dim = 2, 16, 24
+    A_log, dt_bias = make_params(num_heads, gen)
+    lengths, slots = [3, 5], torch.tensor([2, 1], dtype=torch.int32)
+    N, T_d = 2, 3
+    prompt = make_tokens(sum(lengths), num_heads, k_dim, v_dim, gen)
+    step = make_tokens(N, num_heads, k_dim, v_dim, gen)
+    draft = make_tokens(N * T_d, num_heads, k_dim, v_dim, gen)
+    parents = random_parents(N, T_d, gen)
+    accepted, num = random_acceptance(parents, gen)
+    pool0 = make_pool(3, num_heads, k_dim, v_dim, gen)
+    results = {}
+    for backend in ("reference", "triton"):
+        set_backend(backend)
+        try:
+            pool = pool0.clone()
+            outs = [run_prefill(ops.gated_delta_rule_prefill, prompt, A_log, dt_bias, pool, lengths, [2, 1], [0, 1])]
+            outs.append(ops.gated_delta_rule_decode(*(step[n] for n in "qkvab"), A_log, dt_bias, pool, slots))
+            outs.append(ops.gated_delta_rule_verify(*(draft[n] for n in "qkvab"), A_log, dt_bias, pool, slots, parents))
+            ops.gated_delta_rule_commit(*(draft[n] for n in "kvab"), A_log, dt_bias, pool, slots, accepted, num)
+            results[backend] = outs + [pool]
+        finally:
+            set_backend(None)
+    for got, want in zip(results["triton"], results["reference"], strict=True):
+        assert_rel_close(got, want, 1e-5)

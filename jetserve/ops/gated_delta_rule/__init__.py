@@ -1,13 +1,90 @@
-"""Gated delta rule ops (JetBlock linear attention): prefill, decode, tree verify and commit on pool state slots."""
+"""Gated delta rule ops (JetBlock linear attention): prefill, decode, tree verify and commit on pool state slots.
+
+Each public function runs the Triton variant when `use_triton(q or k)` says so, else the pure-PyTorch reference.
+"""
 
 from __future__ import annotations
 
-from jetserve.ops.gated_delta_rule.reference import (
-    gated_delta_rule_commit,
-    gated_delta_rule_decode,
-    gated_delta_rule_prefill,
-    gated_delta_rule_verify,
-)
+import torch
+
+from jetserve.ops.backend import use_triton
+from jetserve.ops.gated_delta_rule import decode, reference, tree
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Varlen prefill; see `reference.gated_delta_rule_prefill` for shapes and semantics."""
+    if use_triton(q):
+        # Imported on first use: importing fla takes seconds and is needed only by this variant.
+        from jetserve.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_prefill as fn
+    else:
+        fn = reference.gated_delta_rule_prefill
+    return fn(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_indices, has_initial_state, scale)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One token per sequence, state in place; see `reference.gated_delta_rule_decode`."""
+    fn = decode.gated_delta_rule_decode if use_triton(q) else reference.gated_delta_rule_decode
+    return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
+
+
+def gated_delta_rule_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    tree_parents: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Draft-tree outputs, never writing `state`; see `reference.gated_delta_rule_verify`."""
+    fn = tree.gated_delta_rule_verify if use_triton(q) else reference.gated_delta_rule_verify
+    return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents, scale)
+
+
+def gated_delta_rule_commit(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Replay the accepted path into the slot; see `reference.gated_delta_rule_commit`."""
+    fn = tree.gated_delta_rule_commit if use_triton(k) else reference.gated_delta_rule_commit
+    fn(k, v, a, b, A_log, dt_bias, state, state_indices, accepted_nodes, num_accepted)
+
 
 __all__ = [
     "gated_delta_rule_commit",

@@ -27,7 +27,7 @@ def compute_gates(
     return g, beta
 
 
-def _check_heads(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def check_heads(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if q is not None and q.shape != k.shape:
         raise ValueError(f"gated_delta_rule: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
     if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
@@ -36,7 +36,14 @@ def _check_heads(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: to
         raise ValueError(f"gated_delta_rule: a {tuple(a.shape)} and b {tuple(b.shape)} must be [T, H] = {k.shape[:2]}")
 
 
-def _check_state(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_gate_params(A_log: torch.Tensor, dt_bias: torch.Tensor, k: torch.Tensor) -> None:
+    H = k.shape[1]
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x.shape != (H,) or x.dtype != torch.float32:
+            raise ValueError(f"gated_delta_rule: {name} {tuple(x.shape)} {x.dtype} must be [{H}] fp32")
+
+
+def check_state(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     H, K, V = k.shape[1], k.shape[2], v.shape[2]
     if state.dim() != 4 or tuple(state.shape[1:]) != (H, K, V) or state.dtype != torch.float32:
         raise ValueError(f"gated_delta_rule: state {tuple(state.shape)} {state.dtype} must be [S, {H}, {K}, {V}] fp32")
@@ -53,12 +60,12 @@ def _readout(S: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...kv,...k->...v", S, q)
 
 
-def _initial_states(state: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+def initial_states(state: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
     h0 = state[state_indices.long()]  # [N, H, K, V]
     return torch.where(has_initial_state.view(-1, 1, 1, 1), h0, torch.zeros_like(h0))
 
 
-def _check_varlen(cu_seqlens: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> None:
+def check_varlen(cu_seqlens: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> None:
     N = cu_seqlens.shape[0] - 1
     if cu_seqlens.dim() != 1 or N < 0:
         raise ValueError(f"gated_delta_rule_prefill: cu_seqlens {tuple(cu_seqlens.shape)} must be [N+1]")
@@ -90,14 +97,15 @@ def gated_delta_rule_prefill(
     `state[state_indices[i]]` if `has_initial_state[i]` (zeros otherwise); its final state is written there.
     Returns o `[T, H, V]` in `v.dtype`.
     """
-    _check_heads(q, k, v, a, b)
-    _check_state(state, k, v)
-    _check_varlen(cu_seqlens, state_indices, has_initial_state)
+    check_heads(q, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    check_varlen(cu_seqlens, state_indices, has_initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qn, kn = l2_normalize(q) * scale, l2_normalize(k)  # [T, H, K]
     vf = v.float()
     g, beta = compute_gates(a, b, A_log, dt_bias)  # [T, H]
-    h0 = _initial_states(state, state_indices, has_initial_state)  # [N, H, K, V]
+    h0 = initial_states(state, state_indices, has_initial_state)  # [N, H, K, V]
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [T, H, V]
     bounds = cu_seqlens.tolist()
     finals = []
@@ -155,14 +163,15 @@ def chunk_gated_delta_rule_prefill(
 ) -> torch.Tensor:
     """Varlen prefill in chunked (WY) form, 64 tokens per chunk; same signature and semantics as
     `gated_delta_rule_prefill`."""
-    _check_heads(q, k, v, a, b)
-    _check_state(state, k, v)
-    _check_varlen(cu_seqlens, state_indices, has_initial_state)
+    check_heads(q, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    check_varlen(cu_seqlens, state_indices, has_initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qn, kn = l2_normalize(q) * scale, l2_normalize(k)  # [T, H, K]
     vf = v.float()
     g, beta = compute_gates(a, b, A_log, dt_bias)  # [T, H]
-    h0 = _initial_states(state, state_indices, has_initial_state)  # [N, H, K, V]
+    h0 = initial_states(state, state_indices, has_initial_state)  # [N, H, K, V]
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [T, H, V]
     bounds = cu_seqlens.tolist()
     finals = []
@@ -193,8 +202,9 @@ def gated_delta_rule_decode(
 
     Returns o `[N, H, V]` in `v.dtype`. Padded rows point at slot 0 (its contents are then meaningless).
     """
-    _check_heads(q, k, v, a, b)
-    _check_state(state, k, v)
+    check_heads(q, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
     if state_indices.shape != (q.shape[0],):
         raise ValueError(f"gated_delta_rule_decode: state_indices {tuple(state_indices.shape)} must be [{q.shape[0]}]")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -206,7 +216,7 @@ def gated_delta_rule_decode(
     return o.to(v.dtype)
 
 
-def _check_tree(k: torch.Tensor, state_indices: torch.Tensor, nodes: torch.Tensor, what: str) -> tuple[int, int]:
+def check_tree(k: torch.Tensor, state_indices: torch.Tensor, nodes: torch.Tensor, what: str) -> tuple[int, int]:
     if nodes.dim() != 2 or state_indices.shape != (nodes.shape[0],):
         raise ValueError(
             f"gated_delta_rule: {what} {tuple(nodes.shape)} must be [N, T_d] with N = len(state_indices) "
@@ -237,9 +247,10 @@ def gated_delta_rule_verify(
     `parent < j` otherwise). Node j's state is `state[state_indices[i]]` advanced along its ancestry path (root first,
     node j last). Returns o `[T, H, V]` in `v.dtype`, `T = N*T_d`.
     """
-    _check_heads(q, k, v, a, b)
-    _check_state(state, k, v)
-    N, T_d = _check_tree(k, state_indices, tree_parents, "tree_parents")
+    check_heads(q, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    N, T_d = check_tree(k, state_indices, tree_parents, "tree_parents")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     H, K, V = state.shape[1:]
     qn = (l2_normalize(q) * scale).view(N, T_d, H, K)
@@ -276,9 +287,10 @@ def gated_delta_rule_commit(
     """Advance each committed state along its accepted path: nodes `accepted_nodes[i, :num_accepted[i]]` (root first)
     of the verify step's tokens k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]`, `T = N*T_d`. `num_accepted = 0` leaves
     the slot unchanged."""
-    _check_heads(None, k, v, a, b)
-    _check_state(state, k, v)
-    N, T_d = _check_tree(k, state_indices, accepted_nodes, "accepted_nodes")
+    check_heads(None, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    N, T_d = check_tree(k, state_indices, accepted_nodes, "accepted_nodes")
     if num_accepted.shape != (N,):
         raise ValueError(f"gated_delta_rule_commit: num_accepted {tuple(num_accepted.shape)} must be [{N}]")
     kn = l2_normalize(k)  # [T, H, K]

@@ -1,0 +1,135 @@
+"""Fused recurrent decode in Triton: one token per sequence, gates and q/k l2 norm in-kernel, state updated in place."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetserve.ops.gated_delta_rule.reference import L2NORM_EPS, check_gate_params, check_heads, check_state
+from jetserve.ops.gated_delta_rule.step import (
+    block_sizes,
+    check_state_layout,
+    delta_step,
+    load_gates,
+    load_unit,
+    unit_last_stride,
+)
+
+
+@triton.jit
+def gated_delta_rule_decode_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    o,
+    stride_q_n,
+    stride_q_h,
+    stride_k_n,
+    stride_k_h,
+    stride_v_n,
+    stride_v_h,
+    stride_a_n,
+    stride_b_n,
+    stride_s,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+
+    i_n64 = i_n.to(tl.int64)
+    b_q = load_unit(q + i_n64 * stride_q_n + i_h * stride_q_h, o_k, m_k, EPS) * scale
+    b_k = load_unit(k + i_n64 * stride_k_n + i_h * stride_k_h, o_k, m_k, EPS)
+    b_v = tl.load(v + i_n64 * stride_v_n + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g, b_beta = load_gates(
+        a + i_n64 * stride_a_n + i_h, b + i_n64 * stride_b_n + i_h, tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    )
+
+    b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+    b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+    tl.store(p_s, b_s, mask=m_s)
+    tl.store(o + (i_n64 * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """One token per sequence, in place on `state[state_indices]`: q, k `[N, H, K]`, v `[N, H, V]`, a, b `[N, H]` (raw),
+    A_log, dt_bias `[H]` fp32, state `[S, H, K, V]` fp32 (contiguous within a slot), state_indices `[N]` int32.
+
+    Grid (N, H, V / block_v); padded rows point at slot 0. Returns o `[N, H, V]` in `v.dtype`.
+    """
+    check_heads(q, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    check_state_layout(state)
+    N, H, K = q.shape
+    V = v.shape[-1]
+    if state_indices.shape != (N,):
+        raise ValueError(f"gated_delta_rule_decode: state_indices {tuple(state_indices.shape)} must be [{N}]")
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
+    BK, BV = block_sizes(K, V, block_v)
+    o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
+    if N == 0:
+        return o
+    gated_delta_rule_decode_kernel[(N, H, triton.cdiv(V, BV))](
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        state,
+        state_indices,
+        o,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        b.stride(0),
+        state.stride(0),
+        scale,
+        H=H,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        EPS=L2NORM_EPS,
+        num_warps=4,
+    )
+    return o

@@ -1,0 +1,264 @@
+"""Tree verify and commit in Triton. Verify replays each draft node's ancestry path from the committed state on chip
+(the state is read once per program and never written, no per-node state reaches memory); commit replays the accepted
+path and writes the state once. Together they move 1.5x a decode step's state bytes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetserve.ops.gated_delta_rule.reference import (
+    L2NORM_EPS,
+    check_gate_params,
+    check_heads,
+    check_state,
+    check_tree,
+)
+from jetserve.ops.gated_delta_rule.step import (
+    block_sizes,
+    check_state_layout,
+    delta_step,
+    load_gates,
+    load_unit,
+    unit_last_stride,
+)
+
+
+@triton.jit
+def gated_delta_rule_verify_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    tree_parents,
+    o,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_a_t,
+    stride_b_t,
+    stride_s,
+    scale,
+    T_d,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k, m_v = o_k < K, o_v < V
+
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+    b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
+    b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    parents = tree_parents + i_n.to(tl.int64) * T_d
+    t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
+
+    for j in range(T_d):
+        # Ancestors of j (j included) as flags over node indices; walking up from j takes at most T_d hops.
+        b_path = tl.zeros([BT], dtype=tl.int32)
+        node = j
+        for _ in range(T_d):
+            is_node = node >= 0
+            b_path = tl.where((o_t == node) & is_node, 1, b_path)
+            node = tl.where(is_node, tl.load(parents + tl.maximum(node, 0)), -1)
+        # Parents precede children, so ascending node order along the path is root-first order.
+        b_s = b_s0
+        for m in range(j + 1):
+            if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
+                t = t0 + m
+                b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
+                b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
+                b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+        t = t0 + j
+        b_q = load_unit(q + t * stride_q_t + i_h * stride_q_h, o_k, m_k, EPS) * scale
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def gated_delta_rule_commit_kernel(
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    accepted_nodes,
+    num_accepted,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_a_t,
+    stride_b_t,
+    stride_s,
+    T_d,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num = tl.load(num_accepted + i_n)
+    if num > 0:
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k, m_v = o_k < K, o_v < V
+        m_s = m_k[:, None] & m_v[None, :]
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+        p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+        b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+        b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+        row = i_n.to(tl.int64) * T_d
+        for d in range(num):
+            t = row + tl.load(accepted_nodes + row + d)
+            b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
+            b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
+            b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+        tl.store(p_s, b_s, mask=m_s)
+
+
+def gated_delta_rule_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    tree_parents: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Draft-tree outputs without writing `state`: q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), token
+    `i*T_d + j` is node j of sequence i, tree_parents `[N, T_d]` int32 (-1 for node 0, else `parent < j`),
+    state `[S, H, K, V]` fp32, state_indices `[N]`. Grid (N, H, V / block_v). Returns o `[T, H, V]` in `v.dtype`.
+    """
+    check_heads(q, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    check_state_layout(state)
+    N, T_d = check_tree(k, state_indices, tree_parents, "tree_parents")
+    T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
+    BK, BV = block_sizes(K, V, block_v)
+    o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
+    if T == 0:
+        return o
+    gated_delta_rule_verify_kernel[(N, H, triton.cdiv(V, BV))](
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        state,
+        state_indices,
+        tree_parents.to(torch.int32).contiguous(),
+        o,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        b.stride(0),
+        state.stride(0),
+        scale,
+        T_d,
+        H=H,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        BT=triton.next_power_of_2(T_d),
+        EPS=L2NORM_EPS,
+        num_warps=4,
+    )
+    return o
+
+
+def gated_delta_rule_commit(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    *,
+    block_v: int | None = None,
+) -> None:
+    """Advance `state[state_indices[i]]` along nodes `accepted_nodes[i, :num_accepted[i]]` (root first) of the verify
+    step's k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]`; the slot is written once, and not at all when
+    `num_accepted[i] = 0`. Grid (N, H, V / block_v)."""
+    check_heads(None, k, v, a, b)
+    check_state(state, k, v)
+    check_gate_params(A_log, dt_bias, k)
+    check_state_layout(state)
+    N, T_d = check_tree(k, state_indices, accepted_nodes, "accepted_nodes")
+    if num_accepted.shape != (N,):
+        raise ValueError(f"gated_delta_rule_commit: num_accepted {tuple(num_accepted.shape)} must be [{N}]")
+    K, V = k.shape[-1], v.shape[-1]
+    k, v, a, b = (unit_last_stride(x) for x in (k, v, a, b))
+    BK, BV = block_sizes(K, V, block_v)
+    if N == 0:
+        return
+    gated_delta_rule_commit_kernel[(N, k.shape[1], triton.cdiv(V, BV))](
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        state,
+        state_indices,
+        accepted_nodes.to(torch.int32).contiguous(),
+        num_accepted.to(torch.int32).contiguous(),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        a.stride(0),
+        b.stride(0),
+        state.stride(0),
+        T_d,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        EPS=L2NORM_EPS,
+        num_warps=4,
+    )

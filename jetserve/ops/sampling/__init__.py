@@ -1,5 +1,27 @@
 """Sampling on the device: greedy/temperature/top-k/top-p/min-p draws reproducible per request, and log-probs."""
 
-from jetserve.ops.sampling.reference import compute_logprobs, sample, top_logprobs
+from __future__ import annotations
+
+import torch
+
+from jetserve.ops.backend import use_triton
+from jetserve.ops.sampling import kernels, reference
+from jetserve.ops.sampling.reference import compute_logprobs, top_logprobs
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """logits [N, V] and per-row parameters [N] → tokens [N] int64. See `reference.sample`."""
+    if use_triton(logits):
+        return kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
+    return reference.sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
+
 
 __all__ = ["compute_logprobs", "sample", "top_logprobs"]

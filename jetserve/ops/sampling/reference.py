@@ -48,7 +48,8 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
     return ((noise_bits(seeds, counters, vocab_size) >> 9).float() + 0.5) * 2.0**-23
 
 
-def _check_sample_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> None:
+def check_sample_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> None:
+    """ValueError unless logits is [N, V] and every per-row parameter is [N]."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     for name, row in zip(("temperature", "top_k", "top_p", "min_p", "seeds", "counters"), rows, strict=True):
@@ -56,15 +57,15 @@ def _check_sample_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> None:
             raise ValueError(f"{name} must be [N] = [{logits.shape[0]}], got shape {tuple(row.shape)}")
 
 
-def keep_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Which tokens survive top-k, then top-p, then min-p: [N, V] bool; the most likely token always survives.
+def keep_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The probability a token needs to survive top-k, then top-p, then min-p: probs [N, V] → [N, 1].
 
-    Each filter is a probability threshold, so ties at a boundary are all kept (the result does not depend on how a
-    sort orders equal values): top-k keeps p ≥ the k-th largest p (k ≤ 0 or k ≥ V: off); top-p, on the top-k
-    survivors renormalised, keeps p ≥ the smallest p of the shortest most-likely-first prefix whose mass reaches
-    top_p (top_p ≥ 1: off); min-p keeps p ≥ min_p · max p (min_p ≤ 0: off).
+    Each filter is a threshold, so ties at a boundary are all kept (the result does not depend on how a sort orders
+    equal values): top-k keeps p ≥ the k-th largest p (k ≤ 0 or k ≥ V: off); top-p, on the top-k survivors
+    renormalised, keeps p ≥ the smallest p of the shortest most-likely-first prefix whose mass reaches top_p
+    (top_p ≥ 1: off); min-p keeps p ≥ min_p · max p (min_p ≤ 0: off). Never above max p: the top token survives.
     """
-    num_rows, vocab_size = probs.shape
+    vocab_size = probs.shape[1]
     sorted_probs = probs.sort(dim=-1, descending=True).values  # [N, V]
     is_k_on = (top_k > 0) & (top_k < vocab_size)  # [N]
     k_index = torch.where(is_k_on, top_k.long() - 1, vocab_size - 1)[:, None]  # [N, 1]
@@ -78,8 +79,18 @@ def keep_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min
     threshold_m = min_p.float()[:, None] * sorted_probs[:, :1]  # [N, 1]
     threshold = torch.maximum(torch.maximum(threshold, threshold_p), threshold_m)
     # min_p > 1 would drop the top token too; the top token is kept regardless, as the contract says.
-    threshold = torch.minimum(threshold, sorted_probs[:, :1])
-    return probs >= threshold
+    return torch.minimum(threshold, sorted_probs[:, :1])
+
+
+def filtered_distribution(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every sampler variant draws from: (probs [N, V] = softmax(logits / T) fp32, keep threshold [N, 1],
+    is_greedy [N] bool). Greedy rows (T ≤ 0) get T = 1 here so their (unused) row stays finite."""
+    is_greedy = temperature <= 0  # [N]
+    scaled = logits.float() / torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [N, V]
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    return probs, keep_threshold(probs, top_k, top_p, min_p), is_greedy
 
 
 def sample(
@@ -95,21 +106,16 @@ def sample(
 
     logits [N, V] (fp32), temperature [N] (0 = greedy), top_k [N] int32 (0 = off), top_p [N] (1 = off), min_p [N]
     (0 = off), seeds [N] int64, counters [N] int64 (the request's draw index: a new counter gives a fresh draw).
-    Filters as in `keep_mask`, then the Gumbel-max draw in its exponential-race form, `argmax(p / -log(u))` over the
-    survivors with u from `uniform_noise` (fp32 throughout), which picks token i with probability p_i / Σ_kept p.
-    Returns [N] int64. Parameter ranges (temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1) are the caller's to check:
-    checking here would sync the host.
+    Filters as in `keep_threshold`, then the Gumbel-max draw in its exponential-race form, `argmax(p / -log(u))` over
+    the survivors with u from `uniform_noise` (fp32 throughout; ties to the lowest index), which picks token i with
+    probability p_i / Σ_kept p. Returns [N] int64. Parameter ranges (temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1)
+    are the caller's to check: checking here would sync the host.
     """
-    _check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)  # [N]
-    is_greedy = temperature <= 0  # [N]
-    scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [N, V]
-    probs = torch.softmax(scaled, dim=-1)  # [N, V]
-    keep = keep_mask(probs, top_k, top_p, min_p)  # [N, V]
+    check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
+    probs, threshold, is_greedy = filtered_distribution(logits, temperature, top_k, top_p, min_p)
     race = -torch.log(uniform_noise(seeds, counters, logits.shape[1]))  # [N, V] exponential, ≥ 6e-8
-    scores = torch.where(keep, probs / race, -1.0)  # [N, V]
-    return torch.where(is_greedy, greedy, scores.argmax(dim=-1))
+    scores = torch.where(probs >= threshold, probs / race, -1.0)  # [N, V]
+    return torch.where(is_greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

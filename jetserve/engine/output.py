@@ -17,8 +17,8 @@ class RequestOutput:
     """One request's progress after a step: what is new since the last output, and everything so far.
 
     `finish_reason` is "stop" (EOS, stop token or stop string; `stop_reason` names the token id or string, None for
-    EOS), "length" or "abort". `prompt_logprobs` comes with the first output of a request that asked for them
-    (position 0 has none).
+    EOS), "length" or "abort". `prompt_logprobs` (position 0 has none) and `logprobs` are the whole lists so far,
+    `new_logprobs` those of `new_token_ids`.
     """
 
     request_id: str
@@ -99,11 +99,7 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
             new_logprobs=new_logprobs,
             logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None else None,
-            prompt_logprobs=(
-                seq.prompt_logprobs
-                if seq.num_returned_tokens == 0 and seq.sampling_params.prompt_logprobs is not None
-                else None
-            ),
+            prompt_logprobs=seq.prompt_logprobs if seq.sampling_params.prompt_logprobs is not None else None,
             num_preemptions=seq.num_preemptions,
         )
         seq.num_returned_tokens = len(output_ids)

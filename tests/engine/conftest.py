@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from jetserve.checkpoint import make_checkpoint
 from jetserve.model.loader import load_model
@@ -25,3 +26,13 @@ def tiny_model(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_checkpoint):
     return load_tokenizer(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The tiny model's ops are far too small to share across threads; on a loaded machine, threads spin-wait and make
+    a step ~40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

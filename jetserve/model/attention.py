@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from jetserve.config import ModelConfig
-from jetserve.model.forward_batch import ForwardBatch, Phase
-from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify
+from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
+from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, kv_cache_commit
 
 
 class Attention(nn.Module):
@@ -58,3 +58,12 @@ class Attention(nn.Module):
                 q, k, v, *caches, fb.tree_mask, fb.context_lens, meta.block_tables, meta.slot_mapping, **kwargs
             )
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
+
+    def commit(
+        self, meta: KVMetadata, prefix_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
+        """Move the accepted nodes' K/V of the last VERIFY step to consecutive positions after each prefix."""
+        kv_cache_commit(
+            self.k_cache, self.v_cache, meta.block_tables, prefix_lens, accepted_nodes, num_accepted,
+            ring_tokens=meta.ring_tokens,
+        )  # fmt: skip

@@ -8,8 +8,18 @@ from torch.nn import functional as F
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
-from jetserve.ops.dynamic_conv import dynamic_conv_decode, dynamic_conv_prefill, dynamic_conv_verify
-from jetserve.ops.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gated_delta_rule_verify
+from jetserve.ops.dynamic_conv import (
+    dynamic_conv_commit,
+    dynamic_conv_decode,
+    dynamic_conv_prefill,
+    dynamic_conv_verify,
+)
+from jetserve.ops.gated_delta_rule import (
+    gated_delta_rule_commit,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+    gated_delta_rule_verify,
+)
 from jetserve.ops.norm import gated_rms_norm
 
 
@@ -56,6 +66,9 @@ class JetBlock(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_v_dim))
         self.conv_state: torch.Tensor | None = None  # [S, W-1, D_v]
         self.recurrent_state: torch.Tensor | None = None  # [S, H, K, V] fp32
+        # The last VERIFY step's per-node inputs (u [T, D_v], k [T, H, K], v [T, H, V], a, b [T, H]): all that
+        # `commit` needs to advance the committed state along the accepted path, instead of a state per node.
+        self.verify_inputs: tuple[torch.Tensor, ...] | None = None
 
     def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
@@ -83,6 +96,17 @@ class JetBlock(nn.Module):
         else:
             v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, self.head_v_dim)
             o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)
+            self.verify_inputs = (u, k, v, a, b)
         gate = self.g_proj(x).view(T, H, self.head_v_dim)  # [T, H, V]
         y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps)  # [T, H, V]
         return self.o_proj(y.reshape(T, self.value_dim))  # [T, hidden]
+
+    def commit(self, state_indices: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Advance the committed conv window and recurrent state along each sequence's accepted path of the last
+        VERIFY step (`accepted_nodes` [N, T_d] root first, `num_accepted` [N]); no-op rows have num_accepted 0."""
+        assert self.verify_inputs is not None, f"layer {self.layer_id}: commit without a VERIFY step"
+        u, k, v, a, b = self.verify_inputs
+        dynamic_conv_commit(u, self.conv_state, state_indices, accepted_nodes, num_accepted)
+        gated_delta_rule_commit(
+            k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, state_indices, accepted_nodes, num_accepted
+        )

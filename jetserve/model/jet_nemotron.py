@@ -94,6 +94,18 @@ class JetNemotronForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
+    def commit_verified(self, fb: ForwardBatch, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After a VERIFY step `fb`: keep only each sequence's accepted path (`accepted_nodes` [N, T_d] node indices,
+        root first; `num_accepted` [N], counting the root) in every layer's state. Rows with 0 change nothing."""
+        assert fb.tree_parents is not None, "commit_verified needs the VERIFY batch it follows"
+        prefix_lens = fb.context_lens - fb.tree_parents.shape[1]  # [N]
+        for layer in self.model.layers:
+            if layer.kind == "jet":
+                layer.self_attn.commit(fb.state_indices, accepted_nodes, num_accepted)
+            else:
+                meta = fb.swa_kv if layer.kind == "swa" else fb.kv
+                layer.self_attn.commit(meta, prefix_lens, accepted_nodes, num_accepted)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` [N, hidden] → logits [N, vocab] in fp32."""
         return nn.functional.linear(hidden, self.lm_head_weight).float()

@@ -71,3 +71,45 @@ class StaticCache:
         for s, n in zip(seq_ids, lens, strict=True):
             self.lengths[s] += n
         return fb
+
+    def verify_batch(self, seq_ids: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> ForwardBatch:
+        """A VERIFY batch: `tokens` [N, T_d] draft trees (node 0 the last committed token, not yet in the cache),
+        `parents` [N, T_d] int32 (-1 for node 0). Node j is stored at position prefix + j and sits at RoPE position
+        prefix + depth(j). The cache lengths do not move until `commit`."""
+        num_seqs, num_nodes = tokens.shape
+        device = self.device
+        parents = parents.to(device=device, dtype=torch.int32)
+        ancestors = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(num_seqs, -1, -1).clone()
+        depth = torch.zeros(num_seqs, num_nodes, dtype=torch.long, device=device)
+        for j in range(1, num_nodes):  # parents precede children: one pass in node order
+            p = parents[:, j].long()
+            assert bool((p >= 0).all() and (p < j).all()), "a parent must come before its child"
+            ancestors[:, j] |= ancestors[torch.arange(num_seqs, device=device), p]
+            depth[:, j] = depth[torch.arange(num_seqs, device=device), p] + 1
+        rows = torch.tensor(seq_ids, dtype=torch.long, device=device)
+        prefix = torch.tensor([self.lengths[s] for s in seq_ids], dtype=torch.long, device=device)  # [N]
+        if int(prefix.max()) + num_nodes > self.max_tokens:
+            raise ValueError(f"verify: {int(prefix.max()) + num_nodes} tokens exceed max_tokens {self.max_tokens}")
+        stored = prefix[:, None] + torch.arange(num_nodes, device=device)  # [N, T_d]
+        tables = self.block_tables[rows]  # [N, P]
+        slots = tables.gather(1, stored // self.page_size).long() * self.page_size + stored % self.page_size
+        kv = KVMetadata(slot_mapping=slots.view(-1), block_tables=tables)
+        return ForwardBatch(
+            phase=Phase.VERIFY,
+            input_ids=tokens.to(device).reshape(-1),
+            positions=(prefix[:, None] + depth).view(-1),
+            cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * num_nodes,
+            context_lens=(prefix + num_nodes).to(torch.int32),
+            state_indices=(rows + 1).to(torch.int32),
+            has_initial_state=prefix > 0,
+            max_seqlen_q=num_nodes,
+            kv=kv,
+            swa_kv=kv,
+            tree_parents=parents,
+            tree_mask=ancestors,
+        )
+
+    def commit(self, seq_ids: list[int], num_accepted: list[int]) -> None:
+        """Record that each sequence kept `num_accepted` nodes of its last verified tree (after the model's commit)."""
+        for s, n in zip(seq_ids, num_accepted, strict=True):
+            self.lengths[s] += n

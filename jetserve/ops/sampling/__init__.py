@@ -25,3 +25,8 @@ def sample(
 
 
 __all__ = ["compute_logprobs", "sample", "top_logprobs"]
+
+# EAGLE-3 tree acceptance (issue 5).
+from jetserve.ops.sampling.tree_acceptance import tree_accept, tree_accept_greedy, tree_accept_loop  # noqa: E402
+
+__all__ += ["tree_accept", "tree_accept_greedy", "tree_accept_loop"]

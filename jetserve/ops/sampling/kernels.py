@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.sampling.reference import check_sample_inputs, filtered_distribution, row_keys
+from jetserve.ops.sampling.reference import check_sample_inputs, filtered_distribution
 
 BLOCK_V = 1024
 
@@ -26,11 +26,23 @@ def _mix32(x):
 
 
 @triton.jit
+def _row_keys(seeds, counters, i_n):
+    """The reference's `row_keys` for row i_n, on uint32 (int64 → uint32 keeps the low 32 bits, like `& 2^32-1`)."""
+    b_seed = tl.load(seeds + i_n)
+    b_counter = tl.load(counters + i_n)
+    key = _mix32(b_seed.to(tl.uint32) ^ tl.full((), 0x5851F42D, tl.uint32))
+    key = _mix32(key ^ (b_seed >> 32).to(tl.uint32))
+    key = _mix32(key ^ b_counter.to(tl.uint32))
+    key = _mix32(key ^ (b_counter >> 32).to(tl.uint32))
+    return key, _mix32(key ^ tl.full((), 0x2545F491, tl.uint32))
+
+
+@triton.jit
 def _race_kernel(
     probs,
     threshold,
-    key_a,
-    key_b,
+    seeds,
+    counters,
     best_score,
     best_index,
     V,
@@ -43,8 +55,7 @@ def _race_kernel(
     i_s = tl.program_id(1)
     num_splits = tl.num_programs(1)
     b_thr = tl.load(threshold + i_n)
-    b_ka = tl.load(key_a + i_n).to(tl.uint32)
-    b_kb = tl.load(key_b + i_n).to(tl.uint32)
+    b_ka, b_kb = _row_keys(seeds, counters, i_n)
     b_best = tl.full((BLOCK_V,), -2.0, tl.float32)  # below every score (filtered tokens score -1)
     b_arg = tl.zeros((BLOCK_V,), tl.int32)
     for i_v in range(i_s * SPLIT_V, (i_s + 1) * SPLIT_V, BLOCK_V):
@@ -86,7 +97,6 @@ def sample(
     check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
     num_rows, vocab_size = logits.shape
     probs, threshold, is_greedy = filtered_distribution(logits, temperature, top_k, top_p, min_p)  # [N, V], [N, 1]
-    key_a, key_b = row_keys(seeds, counters)  # [N] each
     num_blocks = triton.cdiv(vocab_size, BLOCK_V)
     num_splits = max(1, min(num_blocks, triton.cdiv(_num_programs_wanted(logits.device), max(num_rows, 1))))
     split_v = triton.cdiv(num_blocks, num_splits) * BLOCK_V
@@ -97,8 +107,8 @@ def sample(
         _race_kernel[(num_rows, num_splits)](
             probs,
             threshold,
-            key_a,
-            key_b,
+            seeds,
+            counters,
             best_score,
             best_index,
             vocab_size,

@@ -1,0 +1,196 @@
+"""The draft tree as data: per-level candidates of the EAGLE drafting loop → the best `num_draft_tokens` nodes as
+`DraftTree` tensors (tokens, parents, depths, ancestor mask, positions), batched over sequences on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """T_d nodes per sequence; node 0 is the last committed token (parent -1, depth 0).
+
+    Nodes are in topological order (`parents[i, j] < j` for j ≥ 1) and siblings in order of decreasing score, which
+    is the order in which tree acceptance tries them.
+    """
+
+    tokens: torch.Tensor  # [N, T_d] int64: node tokens (target vocabulary)
+    parents: torch.Tensor  # [N, T_d] int32: parent node, -1 for node 0
+    depths: torch.Tensor  # [N, T_d] int32: 0 for node 0
+    mask: torch.Tensor  # [N, T_d, T_d] bool: mask[i, j, a] = a is j or an ancestor of j
+    positions: torch.Tensor  # [N, T_d] int64: RoPE positions, root position + depth
+    scores: torch.Tensor  # [N, T_d] fp32: cumulative draft log-prob of each node (0 for node 0)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class DraftLevel:
+    """The candidates drafted at one depth (d + 1 for level d), each a child of a node of the previous level."""
+
+    tokens: torch.Tensor  # [N, C] int64
+    scores: torch.Tensor  # [N, C] fp32: cumulative log-prob (parent's score + own log-prob)
+    parents: torch.Tensor  # [N, C] int64: index into the previous level's candidates (ignored at level 0: the root)
+
+
+def expand_frontier(
+    frontier_scores: torch.Tensor,
+    frontier_index: torch.Tensor,
+    child_logprobs: torch.Tensor,
+    child_tokens: torch.Tensor,
+) -> tuple[DraftLevel, torch.Tensor, torch.Tensor]:
+    """One EAGLE drafting level: each of the k frontier nodes gets its top-k children, k*k candidates in all.
+
+    frontier_scores [N, k] (cumulative log-probs of the nodes expanded), frontier_index [N, k] (their indices among
+    the previous level's candidates), child_logprobs [N, k, k] and child_tokens [N, k, k] (the draft model's top-k
+    log-probs and target-vocabulary tokens at each frontier node, most likely first). Returns the level's candidates,
+    and the next frontier: the k best candidates' indices into this level [N, k] and their scores [N, k].
+    """
+    if child_logprobs.dim() != 3 or child_logprobs.shape != child_tokens.shape:
+        raise ValueError(
+            f"expand_frontier: child_logprobs and child_tokens must be [N, k, k], got {tuple(child_logprobs.shape)}, "
+            f"{tuple(child_tokens.shape)}"
+        )
+    num_seqs, k, k_children = child_logprobs.shape
+    if frontier_scores.shape != (num_seqs, k) or frontier_index.shape != (num_seqs, k):
+        raise ValueError(
+            f"expand_frontier: frontier_scores and frontier_index must be [N, k] = [{num_seqs}, {k}], got "
+            f"{tuple(frontier_scores.shape)}, {tuple(frontier_index.shape)}"
+        )
+    scores = (frontier_scores.float()[:, :, None] + child_logprobs.float()).reshape(num_seqs, k * k_children)
+    parents = frontier_index.long()[:, :, None].expand(-1, -1, k_children).reshape(num_seqs, k * k_children)
+    level = DraftLevel(tokens=child_tokens.long().reshape(num_seqs, -1), scores=scores, parents=parents)
+    top_scores, top_index = _stable_top(scores, min(k, scores.shape[1]))
+    return level, top_index, top_scores
+
+
+def first_level(logprobs: torch.Tensor, tokens: torch.Tensor) -> tuple[DraftLevel, torch.Tensor, torch.Tensor]:
+    """Level 0: the root's top-k children, logprobs [N, k] and tokens [N, k] (most likely first). Returns the level
+    and the frontier to expand next (indices [N, k] into this level, scores [N, k])."""
+    if logprobs.dim() != 2 or logprobs.shape != tokens.shape:
+        raise ValueError(f"first_level: logprobs and tokens must be [N, k], got {logprobs.shape}, {tokens.shape}")
+    scores = logprobs.float()
+    level = DraftLevel(tokens=tokens.long(), scores=scores, parents=torch.zeros_like(tokens, dtype=torch.long))
+    top_scores, top_index = _stable_top(scores, scores.shape[1])
+    return level, top_index, top_scores
+
+
+def _stable_top(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` largest scores per row and their indices; ties go to the lower index (so a parent whose score
+    equals its child's always ranks first)."""
+    values, index = torch.sort(scores, dim=1, descending=True, stable=True)  # [N, C]
+    return values[:, :count], index[:, :count]
+
+
+def build_draft_tree(
+    root_tokens: torch.Tensor,
+    levels: list[DraftLevel],
+    num_draft_tokens: int,
+    root_positions: torch.Tensor,
+) -> DraftTree:
+    """Keep the best `num_draft_tokens - 1` candidates by cumulative log-prob (plus the root) as a `DraftTree`.
+
+    root_tokens [N] (the last committed token of each sequence), levels[d] the candidates at depth d + 1 (level 0's
+    parents are the root), root_positions [N] (the root's RoPE position). A node's score is first capped at its
+    parent's, so a kept node's ancestors always rank at least as high and are kept too (ties go to the shallower
+    node). With one candidate per level (topk = 1) the tree is a chain. No host synchronisation, no loop over N.
+    """
+    if not levels:
+        raise ValueError("build_draft_tree: need at least one draft level")
+    num_seqs = root_tokens.shape[0]
+    device = root_tokens.device
+    num_candidates = sum(level.tokens.shape[1] for level in levels)
+    if not 1 <= num_draft_tokens <= num_candidates + 1:
+        raise ValueError(
+            f"num_draft_tokens: {num_draft_tokens} must be in [1, {num_candidates + 1}] (root + the {num_candidates} "
+            f"drafted candidates)"
+        )
+    if root_positions.shape != (num_seqs,):
+        raise ValueError(f"build_draft_tree: root_positions must be [N] = [{num_seqs}], got {root_positions.shape}")
+
+    # Concatenate the levels; a candidate's parent becomes a global candidate index (-1 = the root).
+    tokens, scores, parents, depths = [], [], [], []
+    offset, previous_scores = 0, None
+    for d, level in enumerate(levels):
+        width = level.tokens.shape[1]
+        if level.tokens.shape != (num_seqs, width) or level.scores.shape != level.tokens.shape:
+            raise ValueError(f"build_draft_tree: level {d} tokens and scores must be [N, C], got {level.tokens.shape}")
+        level_scores = level.scores.float()  # [N, C]
+        if d == 0:
+            parent = torch.full((num_seqs, width), -1, dtype=torch.long, device=device)
+        else:
+            if level.parents.shape != level.tokens.shape:
+                raise ValueError(f"build_draft_tree: level {d} parents must be [N, C], got {level.parents.shape}")
+            local = level.parents.long()  # [N, C]
+            level_scores = torch.minimum(level_scores, previous_scores.gather(1, local))
+            parent = local + (offset - levels[d - 1].tokens.shape[1])
+        tokens.append(level.tokens.long())
+        scores.append(level_scores)
+        parents.append(parent)
+        depths.append(torch.full((num_seqs, width), d + 1, dtype=torch.int32, device=device))
+        previous_scores = level_scores
+        offset += width
+    all_tokens = torch.cat(tokens, dim=1)  # [N, M]
+    all_scores = torch.cat(scores, dim=1)  # [N, M]
+    all_parents = torch.cat(parents, dim=1)  # [N, M] global index, -1 = root
+    all_depths = torch.cat(depths, dim=1)  # [N, M]
+
+    # Best T_d - 1 by score, then back in candidate order: level by level, so parents precede children.
+    _, chosen = _stable_top(all_scores, num_draft_tokens - 1)  # [N, T_d - 1]
+    chosen = chosen.sort(dim=1).values
+    node_of = torch.full((num_seqs, num_candidates + 1), -1, dtype=torch.long, device=device)  # [N, M + 1]
+    node_ids = torch.arange(1, num_draft_tokens, device=device).expand(num_seqs, -1)  # [N, T_d - 1]
+    node_of.scatter_(1, chosen, node_ids)
+    node_of[:, num_candidates] = 0  # the root, addressed as candidate -1
+    parent_global = all_parents.gather(1, chosen)  # [N, T_d - 1]
+    parent_nodes = node_of.gather(1, torch.where(parent_global < 0, num_candidates, parent_global))
+
+    root_col = torch.zeros(num_seqs, 1, dtype=torch.long, device=device)
+    tree_tokens = torch.cat([root_tokens.long()[:, None], all_tokens.gather(1, chosen)], dim=1)  # [N, T_d]
+    tree_parents = torch.cat([root_col - 1, parent_nodes], dim=1).to(torch.int32)  # [N, T_d]
+    tree_depths = torch.cat([root_col.int(), all_depths.gather(1, chosen)], dim=1)  # [N, T_d]
+    tree_scores = torch.cat([root_col.float(), all_scores.gather(1, chosen)], dim=1)  # [N, T_d]
+    mask = ancestor_mask(tree_parents, num_levels=len(levels))
+    positions = root_positions.long()[:, None] + tree_depths.long()  # [N, T_d]
+    return DraftTree(tree_tokens, tree_parents, tree_depths, mask, positions, tree_scores)
+
+
+def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:
+    """mask [N, T_d, T_d] bool with mask[i, j, a] = a is j or an ancestor of j, from parents [N, T_d] (-1 at the root)
+    of a tree at most `num_levels` deep."""
+    num_seqs, num_nodes = parents.shape
+    device = parents.device
+    mask = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(num_seqs, -1, -1).clone()  # [N, T_d, T_d]
+    ancestor = parents.long()  # [N, T_d]: the ancestor `step + 1` levels up, -1 past the root
+    for _ in range(num_levels):
+        has = ancestor >= 0  # [N, T_d]
+        hit = torch.nn.functional.one_hot(ancestor.clamp(min=0), num_nodes).bool()  # [N, T_d, T_d]
+        mask |= hit & has[..., None]
+        ancestor = torch.where(has, parents.long().gather(1, ancestor.clamp(min=0)), -1)
+    return mask
+
+
+def chain_tree(tokens: torch.Tensor, root_positions: torch.Tensor) -> DraftTree:
+    """A chain of T_d nodes from tokens [N, T_d] (node 0 the last committed token): parent j - 1, depth j."""
+    num_seqs, num_nodes = tokens.shape
+    device = tokens.device
+    depth = torch.arange(num_nodes, device=device)  # [T_d]
+    parents = (depth - 1).to(torch.int32).expand(num_seqs, -1).contiguous()
+    mask = (depth[None, :] <= depth[:, None]).expand(num_seqs, -1, -1).contiguous()  # [N, T_d, T_d]
+    return DraftTree(
+        tokens=tokens.long(),
+        parents=parents,
+        depths=depth.to(torch.int32).expand(num_seqs, -1).contiguous(),
+        mask=mask,
+        positions=root_positions.long()[:, None] + depth[None, :],
+        scores=torch.zeros(num_seqs, num_nodes, device=device),
+    )

@@ -220,6 +220,28 @@ def test_triton_sample_matches_reference(kernels, num_rows: int, vocab: int) -> 
     assert torch.equal(tokens, ref.sample(logits, **params))
 
 
+@pytest.mark.parametrize("num_rows, vocab", [(24, 8), (6, 300), (3, 2100)])
+def test_triton_exact_threshold_fallback_matches_reference(
+    kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int
+) -> None:
+    """With 4 candidates almost no row is settled by the top-C fast path: the bisection kernel must give the same
+    thresholds and tokens, ties included (rows of equal logits, some with top-k inside their tie group)."""
+    monkeypatch.setattr(kernels, "NUM_CANDIDATES", 4)
+    logits = random_logits(num_rows, vocab, seed=vocab + 1, scale=2.0)
+    logits[1] = 0.5  # one tie group of the whole vocabulary
+    logits[2, : vocab // 2] = 1.0  # a tie group straddling the candidates
+    logits = logits.to(DEVICE)
+    params = {name: p.to(DEVICE) for name, p in mixed_rows(num_rows, vocab, seed=vocab).items()}
+    params["temperature"][:3] = 1.0
+    params["top_k"][1:3] = 2
+    params["top_p"][1] = 0.5
+    probs, _ = ref.tempered_probs(logits, params["temperature"])
+    threshold = kernels.keep_threshold(probs, params["top_k"], params["top_p"], params["min_p"])
+    expected = ref.keep_threshold(probs, params["top_k"], params["top_p"], params["min_p"])
+    assert torch.equal(probs >= threshold, probs >= expected)
+    assert torch.equal(kernels.sample(logits, **params), ref.sample(logits, **params))
+
+
 def test_triton_sample_breaks_ties_like_the_reference(kernels) -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]]).expand(30, 5).contiguous().to(DEVICE)
     params = {name: p.to(DEVICE) for name, p in rows(30, top_k=2).items()}

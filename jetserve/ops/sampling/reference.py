@@ -82,14 +82,18 @@ def keep_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.minimum(threshold, sorted_probs[:, :1])
 
 
+def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(logits / T) [N, V] fp32, is_greedy [N] bool); greedy rows (T ≤ 0) use T = 1 to stay finite."""
+    is_greedy = temperature <= 0  # [N]
+    scaled = logits.float() / torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [N, V]
+    return torch.softmax(scaled, dim=-1), is_greedy
+
+
 def filtered_distribution(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What every sampler variant draws from: (probs [N, V] = softmax(logits / T) fp32, keep threshold [N, 1],
-    is_greedy [N] bool). Greedy rows (T ≤ 0) get T = 1 here so their (unused) row stays finite."""
-    is_greedy = temperature <= 0  # [N]
-    scaled = logits.float() / torch.where(is_greedy, 1.0, temperature.float())[:, None]  # [N, V]
-    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    """What `sample` draws from: (probs [N, V] = softmax(logits / T) fp32, keep threshold [N, 1], is_greedy [N])."""
+    probs, is_greedy = tempered_probs(logits, temperature)
     return probs, keep_threshold(probs, top_k, top_p, min_p), is_greedy
 
 
@@ -112,7 +116,7 @@ def sample(
     are the caller's to check: checking here would sync the host.
     """
     check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
-    probs, threshold, is_greedy = filtered_distribution(logits, temperature, top_k, top_p, min_p)
+    probs, threshold, is_greedy = filtered_distribution(logits, temperature, top_k, top_p, min_p)  # [N, V], [N, 1]
     race = -torch.log(uniform_noise(seeds, counters, logits.shape[1]))  # [N, V] exponential, ≥ 6e-8
     scores = torch.where(probs >= threshold, probs / race, -1.0)  # [N, V]
     return torch.where(is_greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))

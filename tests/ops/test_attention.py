@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
+import triton
 
 from jetserve.ops.attention import reference as ref
 
@@ -350,3 +354,198 @@ def test_commit_then_decode_equals_prefill_of_accepted_path(window, ring):
     # The row that accepted nothing keeps its tree where verify stored it.
     for j in range(num_nodes):
         assert same_bits(cache.read(2, prefix_lens[2] + j)[0], k[2 * num_nodes + j])
+
+
+# --- Triton kernels against the reference (the interpreter on the CPU: fp32/fp16 only, tiny grids) ---
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def triton_attention(monkeypatch: pytest.MonkeyPatch):
+    """The Triton variants; every new floating-point tensor is NaN-filled while a test runs, so unwritten outputs
+    fail."""
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from jetserve.ops.attention import decode, kv_store, prefill, rope
+
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs) -> torch.Tensor:
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    return SimpleNamespace(
+        apply_rope=rope.apply_rope,
+        attention_prefill=prefill.attention_prefill,
+        attention_decode=decode.attention_decode,
+        attention_verify=decode.attention_verify,
+        kv_cache_commit=kv_store.kv_cache_commit,
+    )
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    tol = TOLERANCE[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def filled_cache(gen, prefix_lens, pages_per_seq, page_size, head_dim, ring, dtype):
+    cache = PagedCache(len(prefix_lens), pages_per_seq, page_size, HK, head_dim, ring=ring, dtype=dtype)
+    for i, p in enumerate(prefix_lens):
+        cache.write(i, 0, randn(gen, p, HK, head_dim, dtype=dtype), randn(gen, p, HK, head_dim, dtype=dtype))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_rope(triton_attention, dtype):
+    gen = torch.Generator().manual_seed(20)
+    table = ref.rope_cos_sin(64, 32, 1e6)
+    q, k = randn(gen, 7, H, 32, dtype=dtype), randn(gen, 7, HK, 32, dtype=dtype)
+    q = torch.cat([q, q], dim=1)[:, ::2]  # a strided head dim
+    positions = torch.tensor([0, 1, 2, 17, 33, 63, 5])
+    got = triton_attention.apply_rope(q, k, positions, table)
+    want = ref.apply_rope(q, k, positions, table)
+    assert_matches(got[0], want[0])
+    assert_matches(got[1], want[1])
+
+
+# (window, ring, page_size, head_dim, dtype); lengths 1, 2, 5, 17, 33 over cached prefixes
+PREFILL_CASES = [
+    (0, 0, 4, 16, torch.float32),
+    (7, 0, 16, 32, torch.float32),
+    (7, 8, 4, 16, torch.float32),
+    (5, 16, 16, 16, torch.float32),
+    (0, 0, 16, 32, torch.float16),
+]
+
+
+@pytest.mark.parametrize("window,ring,page_size,head_dim,dtype", PREFILL_CASES)
+def test_triton_prefill(triton_attention, window, ring, page_size, head_dim, dtype):
+    gen = torch.Generator().manual_seed(21)
+    prefix_lens, new_lens = [0, 3, 17, 2, 9], [5, 1, 17, 33, 2]
+    pages = triton.cdiv(ring, page_size) if ring else triton.cdiv(50, page_size)
+    cache = filled_cache(gen, prefix_lens, pages, page_size, head_dim, ring, dtype)
+    mine = cache.clone()
+    t = sum(new_lens)
+    q, k, v = (
+        randn(gen, t, H, head_dim, dtype=dtype),
+        randn(gen, t, HK, head_dim, dtype=dtype),
+        randn(gen, t, HK, head_dim, dtype=dtype),
+    )
+    slots = torch.tensor(
+        [s for i, (p, n) in enumerate(zip(prefix_lens, new_lens, strict=True)) for s in cache.slots(i, p, n)]
+    )
+    slots[5] = -1  # a padded row
+    scale = head_dim**-0.5
+
+    def call(impl, c):
+        cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+        ctx = torch.tensor([p + n for p, n in zip(prefix_lens, new_lens, strict=True)], dtype=torch.int32)
+        return impl.attention_prefill(
+            q, k, v, c.k, c.v, cu, ctx, c.block_tables, slots,
+            scale=scale, window_tokens=window, ring_tokens=ring, max_seqlen_q=max(new_lens),
+        )  # fmt: skip
+
+    assert_matches(call(triton_attention, mine), call(ref, cache))
+    assert same_bits(mine.k, cache.k) and same_bits(mine.v, cache.v)
+
+
+# (context lens, window, ring, page_size, head_dim, dtype); one row of each batch is padding (slot -1)
+DECODE_CASES = [
+    ([1, 2, 5, 17, 33], 0, 0, 4, 16, torch.float32),
+    ([40, 17], 0, 0, 16, 32, torch.float32),
+    ([70], 9, 0, 4, 16, torch.float32),
+    ([70, 3], 9, 12, 4, 16, torch.float32),
+    ([33, 5, 1], 0, 0, 16, 32, torch.float16),
+]
+
+
+@pytest.mark.parametrize("context_lens,window,ring,page_size,head_dim,dtype", DECODE_CASES)
+def test_triton_decode(triton_attention, context_lens, window, ring, page_size, head_dim, dtype):
+    gen = torch.Generator().manual_seed(22)
+    pages = triton.cdiv(ring, page_size) if ring else triton.cdiv(80, page_size)
+    cache = filled_cache(gen, [c - 1 for c in context_lens], pages, page_size, head_dim, ring, dtype)
+    mine = cache.clone()
+    n = len(context_lens)
+    q, k, v = (
+        randn(gen, n, H, head_dim, dtype=dtype),
+        randn(gen, n, HK, head_dim, dtype=dtype),
+        randn(gen, n, HK, head_dim, dtype=dtype),
+    )
+    slots = torch.tensor([cache.slot(i, c - 1) for i, c in enumerate(context_lens)])
+    slots[-1] = -1
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+
+    def call(impl, c):
+        return impl.attention_decode(
+            q, k, v, c.k, c.v, ctx, c.block_tables, slots,
+            scale=head_dim**-0.5, window_tokens=window, ring_tokens=ring,
+        )  # fmt: skip
+
+    assert_matches(call(triton_attention, mine), call(ref, cache))
+    assert same_bits(mine.k, cache.k) and same_bits(mine.v, cache.v)
+
+
+def test_triton_decode_splits_cover_the_merge():
+    from jetserve.ops.attention import decode
+
+    cpu = torch.device("cpu")
+    assert decode.num_splits(2, 80, 16, cpu) == 3  # one sequence: the key range is split and merged
+    assert decode.num_splits(10, 80, 16, cpu) == 1  # five sequences: one program each
+
+
+# (prefix lens, tree nodes, chain, window, ring, dtype): 9 nodes x 2 heads per group is two row blocks in the
+# interpreter; a chain of 9 under a window of 4 drops both prefix keys and ancestors
+VERIFY_CASES = [
+    ([5, 30], 7, False, 0, 0, torch.float32),
+    ([12, 0], 9, False, 6, 0, torch.float32),
+    ([12, 3], 9, True, 4, 0, torch.float32),
+    ([40, 9], 6, False, 5, 16, torch.float32),
+    ([21], 9, False, 0, 0, torch.float16),
+]
+
+
+@pytest.mark.parametrize("prefix_lens,num_nodes,chain,window,ring,dtype", VERIFY_CASES)
+def test_triton_verify(triton_attention, prefix_lens, num_nodes, chain, window, ring, dtype):
+    gen = torch.Generator().manual_seed(23)
+    pages = triton.cdiv(ring, PAGE) if ring else 13
+    cache = filled_cache(gen, prefix_lens, pages, PAGE, DH, ring, dtype)
+    mine = cache.clone()
+    trees = [list(range(-1, num_nodes - 1)) if chain else random_tree(num_nodes, gen) for _ in prefix_lens]
+    t = len(prefix_lens) * num_nodes
+    q, k, v = randn(gen, t, H, DH, dtype=dtype), randn(gen, t, HK, DH, dtype=dtype), randn(gen, t, HK, DH, dtype=dtype)
+    mask = torch.stack([tree_mask_of(p) for p in trees])
+    ctx = torch.tensor([p + num_nodes for p in prefix_lens], dtype=torch.int32)
+    slots = torch.tensor([s for i, p in enumerate(prefix_lens) for s in cache.slots(i, p, num_nodes)])
+
+    def call(impl, c):
+        return impl.attention_verify(
+            q, k, v, c.k, c.v, mask, ctx, c.block_tables, slots,
+            scale=SCALE, window_tokens=window, ring_tokens=ring,
+        )  # fmt: skip
+
+    assert_matches(call(triton_attention, mine), call(ref, cache))
+    assert same_bits(mine.k, cache.k) and same_bits(mine.v, cache.v)
+
+
+@pytest.mark.parametrize("ring", [0, 16])
+def test_triton_commit(triton_attention, ring):
+    gen = torch.Generator().manual_seed(24)
+    prefix_lens, num_nodes = [10, 4, 7, 13], 6
+    cache = filled_cache(gen, [p + num_nodes for p in prefix_lens], 8, PAGE, DH, ring, torch.float32)
+    mine = cache.clone()
+    paths = [[0, 2, 3, 5], [0], [], [0, 1, 2]]  # moves onto earlier sources, root only, nothing, a chain
+    accepted = torch.full((4, num_nodes), -1, dtype=torch.int32)
+    for i, path in enumerate(paths):
+        accepted[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
+    num_accepted = torch.tensor([len(p) for p in paths], dtype=torch.int32)
+    prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+    ref.kv_cache_commit(cache.k, cache.v, cache.block_tables, prefix, accepted, num_accepted, ring_tokens=ring)
+    triton_attention.kv_cache_commit(
+        mine.k, mine.v, mine.block_tables, prefix, accepted, num_accepted, ring_tokens=ring
+    )
+    assert same_bits(mine.k, cache.k) and same_bits(mine.v, cache.v)

@@ -26,13 +26,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE over all head dims, in fp32, returning new tensors in the input dtypes.
-
-    q [T, H, Dh], k [T, HK, Dh], positions [T] int, cos_sin [max_pos, Dh] fp32 (from `rope_cos_sin`).
-    """
+def check_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"apply_rope: q must be [T, H, Dh] and k [T, HK, Dh], got {tuple(q.shape)}, {tuple(k.shape)}")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != q.shape[2] or positions.shape != (q.shape[0],):
@@ -40,13 +34,25 @@ def apply_rope(
             f"apply_rope: cos_sin must be [max_pos, {q.shape[2]}] and positions [{q.shape[0]}], "
             f"got {tuple(cos_sin.shape)}, {tuple(positions.shape)}"
         )
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE over all head dims, in fp32, returning new tensors in the input dtypes.
+
+    q [T, H, Dh], k [T, HK, Dh], positions [T] int, cos_sin [max_pos, Dh] fp32 (from `rope_cos_sin`).
+    """
+    check_rope(q, k, positions, cos_sin)
     half = q.shape[2] // 2
     table = cos_sin[positions.to(cos_sin.device, torch.long)]  # [T, Dh]
     cos, sin = table[:, None, :half], table[:, None, half:]  # [T, 1, Dh/2]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(
             f"attention: q must be [T, H, Dh], k and v [T, HK, Dh]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -61,7 +67,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         )
 
 
-def _check_window(window_tokens: int, ring_tokens: int) -> None:
+def check_window(window_tokens: int, ring_tokens: int) -> None:
     if window_tokens < 0 or ring_tokens < 0:
         raise ValueError(f"attention: window_tokens={window_tokens} and ring_tokens={ring_tokens} must be >= 0")
     if ring_tokens and not (window_tokens and ring_tokens >= window_tokens):
@@ -69,6 +75,99 @@ def _check_window(window_tokens: int, ring_tokens: int) -> None:
             f"attention: a ring cache (ring_tokens={ring_tokens}) needs a window no longer than it, "
             f"got window_tokens={window_tokens}"
         )
+
+
+def check_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    check_attention_inputs(q, k, v, k_cache, v_cache)
+    _check_batch(q, cu_seqlens.shape[0] - 1, context_lens, block_tables, slot_mapping)
+
+
+def check_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    check_attention_inputs(q, k, v, k_cache, v_cache)
+    _check_batch(q, q.shape[0], context_lens, block_tables, slot_mapping)
+
+
+def _check_batch(
+    q: torch.Tensor, num_seqs: int, context_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"attention: context_lens must be [N] and block_tables [N, P] for N={num_seqs}, got "
+            f"{tuple(context_lens.shape)}, {tuple(block_tables.shape)}"
+        )
+    if slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"attention: slot_mapping must be [T]={q.shape[0]}, got {tuple(slot_mapping.shape)}")
+
+
+def check_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tree_mask: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    check_attention_inputs(q, k, v, k_cache, v_cache)
+    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2] or tree_mask.dtype != torch.bool:
+        raise ValueError(f"attention_verify: tree_mask must be [N, T_d, T_d] bool, got {tuple(tree_mask.shape)}")
+    num_seqs, num_nodes = tree_mask.shape[:2]
+    if q.shape[0] != num_seqs * num_nodes:
+        raise ValueError(f"attention_verify: q must hold N*T_d = {num_seqs * num_nodes} tokens, got {q.shape[0]}")
+    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"attention_verify: context_lens must be [N] and block_tables [N, P] for N={num_seqs}, got "
+            f"{tuple(context_lens.shape)}, {tuple(block_tables.shape)}"
+        )
+    if slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"attention_verify: slot_mapping must be [T]={q.shape[0]}, got {tuple(slot_mapping.shape)}")
+
+
+def check_commit(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    ring_tokens: int,
+) -> None:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"kv_cache_commit: caches must be [num_pages, page_size, HK, Dh], got {tuple(k_cache.shape)}")
+    if accepted_nodes.dim() != 2 or prefix_lens.shape != (accepted_nodes.shape[0],):
+        raise ValueError(
+            f"kv_cache_commit: accepted_nodes must be [N, T_d] and prefix_lens [N], got "
+            f"{tuple(accepted_nodes.shape)}, {tuple(prefix_lens.shape)}"
+        )
+    if (
+        num_accepted.shape != prefix_lens.shape
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != prefix_lens.shape[0]
+    ):
+        raise ValueError("kv_cache_commit: num_accepted and block_tables [N, P] must have one row per sequence")
+    if ring_tokens < 0:
+        raise ValueError(f"kv_cache_commit: ring_tokens must be >= 0, got {ring_tokens}")
 
 
 def cache_slots(block_tables: torch.Tensor, positions: torch.Tensor, page_size: int, ring_tokens: int) -> torch.Tensor:
@@ -200,16 +299,9 @@ def attention_prefill(
     hold the window (ring_tokens >= window_tokens).
     Returns [T, H, Dh] in q.dtype.
     """
-    _check(q, k, v, k_cache, v_cache)
-    _check_window(window_tokens, ring_tokens)
+    check_prefill(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, slot_mapping)
+    check_window(window_tokens, ring_tokens)
     num_seqs = cu_seqlens.shape[0] - 1
-    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"attention_prefill: context_lens must be [N] and block_tables [N, P] for N={num_seqs}, got "
-            f"{tuple(context_lens.shape)}, {tuple(block_tables.shape)}"
-        )
-    if slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"attention_prefill: slot_mapping must be [T]={q.shape[0]}, got {tuple(slot_mapping.shape)}")
     num_tokens = q.shape[0]
     device = q.device
     max_new = max(1, max_seqlen_q)
@@ -303,20 +395,9 @@ def attention_verify(
     ancestor of j), context_lens [N] int32 (prefix + T_d), block_tables [N, P] int32, slot_mapping [T] (-1 skips).
     Node j is stored at position prefix + j and attends at position prefix + depth_j. Returns [T, H, Dh] in q.dtype.
     """
-    _check(q, k, v, k_cache, v_cache)
-    _check_window(window_tokens, ring_tokens)
-    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
-        raise ValueError(f"attention_verify: tree_mask must be [N, T_d, T_d], got {tuple(tree_mask.shape)}")
+    check_verify(q, k, v, k_cache, v_cache, tree_mask, context_lens, block_tables, slot_mapping)
+    check_window(window_tokens, ring_tokens)
     num_seqs, num_nodes = tree_mask.shape[:2]
-    if q.shape[0] != num_seqs * num_nodes:
-        raise ValueError(f"attention_verify: q must hold N*T_d = {num_seqs * num_nodes} tokens, got {q.shape[0]}")
-    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"attention_verify: context_lens must be [N] and block_tables [N, P] for N={num_seqs}, got "
-            f"{tuple(context_lens.shape)}, {tuple(block_tables.shape)}"
-        )
-    if slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"attention_verify: slot_mapping must be [T]={q.shape[0]}, got {tuple(slot_mapping.shape)}")
     device = q.device
     mask = tree_mask.to(device, torch.bool)  # [N, T_d, T_d]
     starts = context_lens.to(device, torch.long) - num_nodes  # [N]
@@ -361,17 +442,7 @@ def kv_cache_commit(
     int32. Node `accepted_nodes[i, d]` moves from position prefix_i + node to prefix_i + d; every source is read
     before any write, so a move never reads another move's destination.
     """
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"kv_cache_commit: caches must be [num_pages, page_size, HK, Dh], got {tuple(k_cache.shape)}")
-    if accepted_nodes.dim() != 2 or prefix_lens.shape != (accepted_nodes.shape[0],):
-        raise ValueError(
-            f"kv_cache_commit: accepted_nodes must be [N, T_d] and prefix_lens [N], got "
-            f"{tuple(accepted_nodes.shape)}, {tuple(prefix_lens.shape)}"
-        )
-    if num_accepted.shape != prefix_lens.shape or block_tables.shape[0] != prefix_lens.shape[0]:
-        raise ValueError("kv_cache_commit: num_accepted and block_tables must have one row per sequence")
-    if ring_tokens < 0:
-        raise ValueError(f"kv_cache_commit: ring_tokens must be >= 0, got {ring_tokens}")
+    check_commit(k_cache, v_cache, block_tables, prefix_lens, accepted_nodes, num_accepted, ring_tokens)
     device = k_cache.device
     page_size = k_cache.shape[1]
     num_nodes = accepted_nodes.shape[1]

@@ -1,0 +1,167 @@
+"""Triton paged varlen prefill: flash-attention style online softmax over K/V tiles, causal + sliding window.
+
+Cached prefix keys are read through `block_tables` (plain or ring), the chunk's own keys straight from k/v; the new
+K/V are stored by a separate launch after every read, so a ring shorter than the chunk still serves each window.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetserve.ops.attention.kv_store import cache_slots, store_kv
+from jetserve.ops.attention.reference import check_prefill, check_window
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    o,
+    cu_seqlens,
+    context_lens,
+    block_tables,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    scale_log2,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    RING: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_m, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cu_lo = tl.load(cu_seqlens + i_n)
+    q_len = tl.load(cu_seqlens + i_n + 1) - cu_lo
+    if i_m * BLOCK_M >= q_len:
+        return
+    start = tl.load(context_lens + i_n) - q_len  # position of the first new token
+    i_hk = i_h // GROUP
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < q_len
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    tok = (cu_lo + o_m).to(tl.int64)
+    b_q = tl.load(q + tok[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_m[:, None] & m_d[None, :])
+    q_pos = start + o_m  # [BLOCK_M]
+
+    b_m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max (log2 units); finite so empty rows stay 0
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first = start + i_m * BLOCK_M
+    hi = tl.minimum(first + BLOCK_M, start + q_len)  # causal: no key after the block's last query
+    if WINDOW > 0:
+        lo = tl.maximum(first - WINDOW + 1, 0)
+    else:
+        lo = 0
+    cache_off = i_hk * HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        p = n0 + tl.arange(0, BLOCK_N)  # key positions
+        m_key = p < hi
+        in_cache = m_key & (p < start)
+        in_chunk = m_key & (p >= start)
+        slot = cache_slots(block_tables, i_n, stride_bt, p, PAGE_SIZE, RING, in_cache)
+        new_tok = (cu_lo + p - start).to(tl.int64)
+        m_c = in_cache[None, :] & m_d[:, None]
+        m_k = in_chunk[None, :] & m_d[:, None]
+        # [BLOCK_D, BLOCK_N]: each key row from the cache or from this chunk's k (masked loads read nothing)
+        b_kt = tl.load(
+            k_cache + slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + cache_off + o_d[:, None], mask=m_c, other=0.0
+        )
+        b_kt += tl.load(k + new_tok[None, :] * stride_kt + i_hk * stride_kh + o_d[:, None], mask=m_k, other=0.0)
+        b_s = tl.dot(b_q, b_kt.to(b_q.dtype), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = m_key[None, :] & (p[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible &= p[None, :] > q_pos[:, None] - WINDOW
+        b_s = tl.where(visible, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        m_cv = in_cache[:, None] & m_d[None, :]
+        m_kv = in_chunk[:, None] & m_d[None, :]
+        b_v = tl.load(
+            v_cache + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + cache_off + o_d[None, :], mask=m_cv, other=0.0
+        )
+        b_v += tl.load(
+            v + new_tok[:, None] * stride_vt + i_hk * stride_vh + o_d[None, :], mask=m_kv, other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+        b_m = b_m_new
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # rows past the chunk may see nothing; they are not stored
+    tl.store(
+        o + tok[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM) + i_h * HEAD_DIM + o_d[None, :],
+        b_o.to(o.dtype.element_ty),
+        mask=m_m[:, None] & m_d[None, :],
+    )
+
+
+def _tiles(head_dim: int, interpret: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    if interpret:
+        return 16, 16, 1, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    scale: float,
+    window_tokens: int = 0,
+    ring_tokens: int = 0,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal varlen paged attention of new tokens over their cached prefix and themselves; stores the new K/V.
+
+    q [T, H, Dh], k/v [T, HK, Dh] (last dims contiguous), k_cache/v_cache [num_pages, page_size, HK, Dh] contiguous
+    (updated in place), cu_seqlens [N+1] int32, context_lens [N] int32, block_tables [N, P] int32, slot_mapping [T]
+    int (-1 skips); max_seqlen_q >= every sequence's new-token count. Returns [T, H, Dh] in q.dtype.
+    Semantics: `reference.attention_prefill`.
+    """
+    check_prefill(q, k, v, k_cache, v_cache, cu_seqlens, context_lens, block_tables, slot_mapping)
+    check_window(window_tokens, ring_tokens)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(-1) == 1
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    interpret = not q.is_cuda
+    block_m, block_n, num_warps, num_stages = _tiles(head_dim, interpret)
+    grid = (triton.cdiv(max(1, max_seqlen_q), block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, out, cu_seqlens, context_lens, block_tables,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=num_heads // k.shape[1], NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
+        WINDOW=window_tokens, RING=ring_tokens, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    store_kv(k, v, k_cache, v_cache, cu_seqlens, slot_mapping, ring_tokens=ring_tokens, max_seqlen_q=max_seqlen_q)
+    return out

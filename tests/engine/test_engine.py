@@ -164,8 +164,9 @@ def test_abort_frees_pages_and_slots(tiny_checkpoint, tiny_model, tiny_tokenizer
     assert engine.abort_request("r3")  # still waiting: never held anything
     outs = []
     while engine.has_unfinished_requests():
-        outs += engine.step()
-        if any(o.request_id == "r2" for o in outs):
+        step_outs = engine.step()
+        outs += step_outs
+        if any(o.request_id == "r2" for o in step_outs):  # r2 got its first token: abort it mid-decode
             assert engine.abort_request("r2")
     finished = {o.request_id for o in outs if o.finished}
     assert finished == {"r0"}

@@ -1,0 +1,320 @@
+"""`jetserve bench offline`: prefill and decode throughput of the engine per batch size, each beside its roofline
+(bytes a step must move over the copy bandwidth measured in the same run; for prefill also FLOPs over measured GEMM
+throughput)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from jetserve.config import ModelConfig
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine, resolve_device
+from jetserve.engine.memory_plan import slot_bytes_for
+from jetserve.engine.sequence import SequenceStatus
+from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
+from jetserve.sampling_params import SamplingParams
+
+
+def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint folder")
+    source.add_argument("--config", help="tiny | 2b | 4b | config JSON: random weights, made on the device")
+    p.add_argument("--batch-sizes", default="1,8,64,256", help="comma-separated (default 1,8,64,256)")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per result instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")
+
+
+@dataclass
+class BenchResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_tok_s: float
+    prefill_roofline_tok_s: float
+    decode_tok_s: float
+    decode_roofline_tok_s: float
+    decode_efficiency: float  # measured / roofline
+    tpot_ms: float  # time per output token: the median decode step
+    tpot_roofline_ms: float
+    decode_step_bytes: int
+    peak_memory_gib: float | None
+    copy_bandwidth_gb_s: float
+    gemm_tflops: float
+
+
+def run_offline_bench(args: argparse.Namespace) -> int:
+    batch_sizes = _parse_batch_sizes(args.batch_sizes)
+    if args.input_len < 1 or args.output_len < 2:
+        raise ValueError("--input-len must be ≥ 1 and --output-len ≥ 2 (decode needs a step after the first token)")
+    device = resolve_device(args.device)
+    if args.model:
+        kwargs = _engine_kwargs(args, batch_sizes)
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=str(device), **kwargs))
+    else:
+        model = random_model(args.config, args.dtype, device, args.seed)
+        config = EngineConfig(dtype=args.dtype, device=str(device), **_engine_kwargs(args, batch_sizes))
+        engine = LLMEngine(config, model=model, tokenizer=None)
+    bandwidth = measure_copy_bandwidth(device)
+    tflops = measure_gemm_tflops(device, engine.runner.dtype)
+    results = []
+    for batch_size in batch_sizes:
+        result = bench_batch(engine, batch_size, args.input_len, args.output_len, bandwidth, tflops, args.seed)
+        results.append(result)
+        if args.json:
+            print(json.dumps(asdict(result)), flush=True)
+    if not args.json:
+        print_table(results)
+    if args.plot:
+        plot(results, args.plot, engine.model_config)
+    return 0
+
+
+def _parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--batch-sizes: {text!r} is not a comma-separated list of integers") from e
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes: {text!r} must list positive integers")
+    return sizes
+
+
+def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
+    return dict(
+        max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.input_len + args.output_len,
+        page_size=args.page_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+@torch.no_grad()
+def random_model(config_name: str, dtype: str, device: torch.device, seed: int) -> JetNemotronForCausalLM:
+    """A model of a preset (or config JSON) with random weights drawn on `device` (speed does not depend on them)."""
+    from jetserve.checkpoint import preset_config
+    from jetserve.model.loader import resolve_dtype
+
+    config = ModelConfig.from_dict(preset_config(config_name))
+    torch_dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = JetNemotronForCausalLM(config)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            param.uniform_(1.0, 16.0, generator=gen).log_()
+        elif leaf == "dt_bias":
+            dt = torch.empty_like(param).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+            param.copy_(dt + torch.log(-torch.expm1(-dt)))
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            param.normal_(1.0, 0.1, generator=gen)
+        elif leaf == "bias":
+            param.normal_(0.0, 0.1, generator=gen)
+        else:
+            fan_in = config.hidden_size if name.endswith("embed_tokens.weight") else param.shape[-1]
+            param.normal_(0.0, fan_in**-0.5, generator=gen)
+    model.init_rope(device)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in FP32_PARAMETERS)
+    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+
+
+def _timed(device: torch.device, fn, iters: int) -> float:
+    """Seconds per call of `fn`, after one warm-up call."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write both counted)."""
+    num_bytes = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = _timed(device, lambda: dst.copy_(src), 20)
+    return 2 * num_bytes / seconds
+
+
+def measure_gemm_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _timed(device, lambda: a @ b, 10)
+    return 2 * n**3 / seconds / 1e12
+
+
+def decode_step_bytes(engine: LLMEngine, batch_size: int, context_tokens: int) -> int:
+    """What one decode step of `batch_size` sequences of `context_tokens` must move at the least: every weight once
+    (the tied embedding once, as the lm_head), the K/V it attends over, and the JetBlock state read and written."""
+    config = engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    itemsize = engine.runner.dtype.itemsize
+    kv_token_bytes = 2 * config.num_key_value_heads * config.head_dim * itemsize  # K and V, one layer
+    num_attn = sum(kind == "attn" for kind in config.layer_types)
+    num_swa = sum(kind == "swa" for kind in config.layer_types)
+    window = min(context_tokens, config.swa_window_size or 0)
+    kv_bytes = batch_size * kv_token_bytes * (num_attn * context_tokens + num_swa * window)
+    state_bytes = 2 * batch_size * slot_bytes_for(config, 0, engine.runner.dtype)  # JetBlock state, no SWA ring
+    return weight_bytes + kv_bytes + state_bytes
+
+
+def prefill_flops(engine: LLMEngine, num_tokens: int, input_len: int) -> float:
+    """2 FLOPs per weight per token, plus causal attention scores and values in the attention layers."""
+    config = engine.model_config
+    params = sum(p.numel() for p in engine.model.parameters())
+    attn_dim = config.num_attention_heads * config.head_dim
+    num_attn = sum(kind == "attn" for kind in config.layer_types)
+    num_swa = sum(kind == "swa" for kind in config.layer_types)
+    window = min(input_len, config.swa_window_size or 0)
+    per_token_keys = num_attn * input_len / 2 + num_swa * window
+    return num_tokens * (2 * params + 4 * attn_dim * per_token_keys)
+
+
+def bench_batch(
+    engine: LLMEngine, batch_size: int, input_len: int, output_len: int, bandwidth: float, tflops: float, seed: int
+) -> BenchResult:
+    device = engine.runner.device
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed + batch_size)
+    prompts = torch.randint(0, vocab, (batch_size, input_len), generator=gen).tolist()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    # Prefill alone: one token each, so no decode rows mix into the timed steps.
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}")[0]
+    # Decode: time only the steps that decode the whole batch at once.
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    _, decode_steps = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
+    assert engine.is_idle_and_clean()
+    if not decode_steps:
+        raise ValueError(f"--batch-sizes: {batch_size} never decoded as one batch (too few state slots or pages?)")
+    tpot = statistics.median(decode_steps)
+    step_bytes = decode_step_bytes(engine, batch_size, input_len + output_len // 2)
+    tpot_roofline = step_bytes / bandwidth
+    prefill_tokens = batch_size * input_len
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    steps = math.ceil(prefill_tokens / engine.config.max_num_batched_tokens)
+    prefill_roofline_s = max(prefill_flops(engine, prefill_tokens, input_len) / (tflops * 1e12),
+                             steps * weight_bytes / bandwidth)  # fmt: skip
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return BenchResult(
+        batch_size=batch_size,
+        input_len=input_len,
+        output_len=output_len,
+        prefill_tok_s=round(prefill_tokens / prefill_seconds, 1),
+        prefill_roofline_tok_s=round(prefill_tokens / prefill_roofline_s, 1),
+        decode_tok_s=round(batch_size / tpot, 1),
+        decode_roofline_tok_s=round(batch_size / tpot_roofline, 1),
+        decode_efficiency=round(tpot_roofline / tpot, 4),
+        tpot_ms=round(tpot * 1e3, 4),
+        tpot_roofline_ms=round(tpot_roofline * 1e3, 4),
+        decode_step_bytes=step_bytes,
+        peak_memory_gib=None if peak is None else round(peak, 3),
+        copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+        gemm_tflops=round(tflops, 1),
+    )
+
+
+def _run(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, label: str, full_batch: int = 0
+) -> tuple[float, list[float]]:
+    """Generate to the end; returns (total seconds, seconds of each step that decoded `full_batch` sequences)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{label}-{i}", prompt, params)
+    total_steps = _estimate_steps(engine, prompts, params)
+    decode_steps: list[float] = []
+    step = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        is_full_decode = full_batch > 0 and _is_full_decode(engine, full_batch)
+        t0 = time.perf_counter()
+        engine.step()
+        if is_full_decode:
+            decode_steps.append(time.perf_counter() - t0)
+        step += 1
+        _progress(label, step, total_steps)
+    seconds = time.perf_counter() - start
+    print(file=sys.stderr)
+    return seconds, decode_steps
+
+
+def _is_full_decode(engine: LLMEngine, batch_size: int) -> bool:
+    running = engine.scheduler.running
+    return len(running) == batch_size and all(s.is_decoding and s.status == SequenceStatus.RUNNING for s in running)
+
+
+def _estimate_steps(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> int:
+    prefill = math.ceil(sum(len(p) for p in prompts) / engine.config.max_num_batched_tokens)
+    return prefill + (params.max_tokens or 1) - 1
+
+
+def _progress(label: str, done: int, total: int, width: int = 30) -> None:
+    filled = min(width, width * done // max(total, 1))
+    print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps", end="", file=sys.stderr)
+
+
+def print_table(results: list[BenchResult]) -> None:
+    header = (f"{'batch':>6} {'prefill tok/s':>14} {'(roofline)':>12} {'decode tok/s':>13} {'(roofline)':>12} "
+              f"{'eff':>6} {'TPOT ms':>9} {'(roofline)':>11} {'peak GiB':>9}")  # fmt: skip
+    print(header)
+    for r in results:
+        peak = "-" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.2f}"
+        print(f"{r.batch_size:>6} {r.prefill_tok_s:>14.0f} {r.prefill_roofline_tok_s:>12.0f} {r.decode_tok_s:>13.1f} "
+              f"{r.decode_roofline_tok_s:>12.1f} {r.decode_efficiency:>6.1%} {r.tpot_ms:>9.3f} "
+              f"{r.tpot_roofline_ms:>11.3f} {peak:>9}")  # fmt: skip
+    if results:
+        r = results[0]
+        print(f"copy bandwidth {r.copy_bandwidth_gb_s:.0f} GB/s, GEMM {r.gemm_tflops:.0f} TFLOP/s (measured here)")
+
+
+def plot(results: list[BenchResult], path: str, config: ModelConfig) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--plot: needs matplotlib (pip install matplotlib)") from e
+    sizes = [r.batch_size for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(sizes, [r.decode_tok_s for r in results], "o-", label="decode (measured)")
+    ax.plot(sizes, [r.decode_roofline_tok_s for r in results], "--", label="decode roofline (bytes / copy bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    r = results[0]
+    ax.set_title(f"{config.model_type}, {config.num_hidden_layers} layers: input {r.input_len}, output {r.output_len}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -109,12 +109,15 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
 
 
 @torch.no_grad()
-def random_model(config_name: str, dtype: str, device: torch.device, seed: int) -> JetNemotronForCausalLM:
-    """A model of a preset (or config JSON) with random weights drawn on `device` (speed does not depend on them)."""
+def random_model(
+    config_name: str, dtype: str, device: torch.device, seed: int, num_layers: int | None = None
+) -> JetNemotronForCausalLM:
+    """A model of a preset (or config JSON) with random weights drawn on `device` (speed does not depend on them);
+    `num_layers` shortens it, keeping the mix of layer kinds."""
     from jetserve.checkpoint import preset_config
     from jetserve.model.loader import resolve_dtype
 
-    config = ModelConfig.from_dict(preset_config(config_name))
+    config = ModelConfig.from_dict(preset_config(config_name, num_layers=num_layers))
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = JetNemotronForCausalLM(config)

@@ -18,9 +18,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint):
-    set_backend("reference")
-    yield load_model(tiny_checkpoint, dtype="float32", device="cpu")
-    set_backend(None)
+    return load_model(tiny_checkpoint, dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -29,10 +27,14 @@ def tiny_tokenizer(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny model's ops are far too small to share across threads; on a loaded machine, threads spin-wait and make
-    a step ~40x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _engine_test_environment(request):
+    """CPU modules run the reference ops on one torch thread (the tiny model's ops are far too small to share across
+    threads; on a loaded machine threads spin-wait and a step gets ~40x slower); `gpu` modules run the Triton ops."""
+    is_gpu = request.node.get_closest_marker("gpu") is not None
+    threads = torch.get_num_threads()
+    set_backend("triton" if is_gpu else "reference")
+    if not is_gpu:
+        torch.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
+    set_backend(None)
+    torch.set_num_threads(threads)

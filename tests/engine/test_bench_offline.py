@@ -1,0 +1,36 @@
+"""`jetserve bench offline` on the CPU: a tiny run prints one JSON line per batch size with every figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from jetserve.engine.bench_offline import add_offline_bench_arguments, run_offline_bench
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_offline_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_offline_json_lines(capsys, tmp_path):
+    args = parse(["--config", "tiny", "--batch-sizes", "1,3", "--input-len", "6", "--output-len", "3", "--dtype",
+                  "float32", "--device", "cpu", "--json", "--plot", str(tmp_path / "plot.png")])  # fmt: skip
+    assert run_offline_bench(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["batch_size"] for r in lines] == [1, 3]
+    for r in lines:
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["copy_bandwidth_gb_s"] > 0
+        assert 0 < r["decode_efficiency"] == pytest.approx(r["tpot_roofline_ms"] / r["tpot_ms"], rel=1e-2)
+        assert r["decode_step_bytes"] > 0 and r["peak_memory_gib"] is None
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_bench_offline_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="--batch-sizes"):
+        run_offline_bench(parse(["--config", "tiny", "--batch-sizes", "1,x", "--device", "cpu"]))
+    with pytest.raises(ValueError, match="--output-len"):
+        run_offline_bench(parse(["--config", "tiny", "--output-len", "1", "--device", "cpu"]))

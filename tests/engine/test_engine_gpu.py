@@ -1,0 +1,141 @@
+"""The engine on CUDA with the Triton ops: the CPU suite's invariants, and CUDA-graph replay == eager for every
+decode bucket (tiny fp32 model, and a 4-layer model of the real 2B shapes in bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetserve.engine.bench_offline import random_model
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.generate import generate_tokens
+from jetserve.llm import LLM
+from jetserve.model.loader import load_model
+from jetserve.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MAX_TOKENS = 12
+PROMPT_LENGTHS = (1, 5, 17, 33, 300)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tiny_checkpoint):
+    return load_model(tiny_checkpoint, dtype="float32", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def greedy_alone(gpu_model, prompts) -> list[list[int]]:
+    return [generate_tokens(gpu_model, p, MAX_TOKENS).token_ids for p in prompts]
+
+
+def make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, **engine_args) -> LLM:
+    args = dict(device="cuda", page_size=16, num_pages=512, num_slots=9, max_model_len=512) | engine_args
+    return LLM(str(tiny_checkpoint), model_instance=gpu_model, tokenizer=tiny_tokenizer, **args)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},  # CUDA graphs
+        {"enforce_eager": True},
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 64, "page_size": 4, "num_pages": 80, "num_slots": 3, "max_model_len": 316},
+    ],
+    ids=["graphs", "eager", "chunked-7", "preempting"],
+)
+def test_gpu_engine_equals_each_prompt_alone(
+    tiny_checkpoint, gpu_model, tiny_tokenizer, prompts, greedy_alone, engine_args
+):
+    llm = make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, **engine_args)
+    many = prompts + prompts[::-1]
+    outs = llm.generate(many, greedy())
+    assert [o.output_token_ids for o in outs] == greedy_alone + greedy_alone[::-1]
+    if "num_slots" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_gpu_seeded_sampling_matches_unbatched(tiny_checkpoint, gpu_model, tiny_tokenizer, prompts):
+    expected = generate_tokens(gpu_model, prompts[3], MAX_TOKENS, 0.8, 0.9, 50, seed=77).token_ids
+    llm = make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=77, max_tokens=MAX_TOKENS, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([prompts[1], prompts[3], prompts[4]], [other, params, greedy()])
+    assert outs[1].output_token_ids == expected
+    assert llm.engine.is_idle_and_clean()
+
+
+def _snapshot(engine: LLMEngine) -> list[torch.Tensor]:
+    tensors = [engine.state_pool.conv_states, engine.state_pool.recurrent_states]
+    tensors += [t for pair in engine.runner.kv_caches.values() for t in pair]
+    return tensors
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
+    assert torch.isfinite(actual).all(), what
+    err = (actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
+    assert err <= rel, f"{what}: relative error {err:.2e} > {rel:.0e}"
+
+
+def _check_graph_buckets(engine: LLMEngine, rel: float) -> None:
+    runner, graphs = engine.runner, engine.runner.graph_runner
+    assert graphs is not None and graphs.graphs
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tensor in _snapshot(engine):  # every cache holds finite, non-zero values
+        tensor.copy_(torch.randn(tensor.shape, generator=gen, device="cuda").to(tensor.dtype) * 0.5)
+    num_slots = engine.plan.num_slots
+    for B in graphs.batch_sizes:
+        for N in sorted({B, max(1, B - 1)}):
+            slots = (torch.randperm(num_slots - 1, generator=gen, device="cuda")[:N] + 1).to(torch.int32)
+            positions = torch.randint(1, 200, (N,), generator=gen, device="cuda")
+            input_ids = torch.randint(0, engine.model_config.vocab_size, (N,), generator=gen, device="cuda")
+            before = [t.clone() for t in _snapshot(engine)]
+            eager_logits = runner.decode_logits(input_ids, positions, slots).clone()
+            eager_state = [t.clone() for t in _snapshot(engine)]
+            for t, saved in zip(_snapshot(engine), before, strict=True):
+                t.copy_(saved)
+            graph_logits = graphs.run(input_ids, positions, slots).clone()
+            _assert_close(graph_logits, eager_logits, rel, f"logits B={B} N={N}")
+            for i, (g, e, b) in enumerate(zip(_snapshot(engine), eager_state, before, strict=True)):
+                _assert_close(g, e, rel, f"cache {i} B={B} N={N}")
+                if i < 2:  # state pools: slots outside the batch (slot 0 aside) are untouched by padded rows
+                    untouched = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+                    untouched[slots.long()] = False
+                    untouched[0] = False
+                    assert torch.equal(g[:, untouched], b[:, untouched]), f"state {i} B={B} N={N}: padding leaked"
+
+
+@torch.inference_mode()
+def test_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny_tokenizer):
+    llm = make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, num_slots=40, max_num_seqs=32)
+    assert llm.engine.runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16, 32]
+    _check_graph_buckets(llm.engine, rel=1e-5)
+
+
+@torch.inference_mode()
+def test_graph_replay_equals_eager_2b_shapes():
+    model = random_model("2b", "bfloat16", torch.device("cuda"), seed=0, num_layers=4)
+    assert set(model.config.layer_types) == {"jet", "attn", "swa"}
+    config = EngineConfig(device="cuda", max_num_seqs=48, max_model_len=2048, gpu_memory_utilization=0.5)
+    engine = LLMEngine(config, model=model, tokenizer=None)
+    assert engine.plan.num_slots == 49 and engine.plan.num_pages > 48 * 2048 // 16
+    _check_graph_buckets(engine, rel=2e-2)
+    prompt = torch.randint(0, 151936, (40,)).tolist()
+    engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and len(outs[-1].output_token_ids) == 8
+    assert engine.is_idle_and_clean()

@@ -1,0 +1,88 @@
+"""`jetserve serve`: its arguments (every EngineConfig field becomes a flag), building the server, running uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from jetserve.engine.config import DTYPES, EngineConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from jetserve.server.api import OpenAIServer
+
+logger = logging.getLogger(__name__)
+
+# Fields set by dedicated flags (`--model`) or that would only confuse a server user.
+_SKIPPED_FIELDS = ("model",)
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--field-name` flag per EngineConfig field (its default, its type), so new engine knobs appear unasked."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SKIPPED_FIELDS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).replace(" ", "")
+        optional = kind.endswith("|None")
+        kind = kind.removesuffix("|None")
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        assert kind in _SCALARS, f"EngineConfig.{f.name}: no flag for a field of type {f.type}"
+        choices = DTYPES if f.name == "dtype" else None
+        help_text = "(default: decided at start)" if optional and f.default is None else "(default: %(default)s)"
+        group.add_argument(flag, type=_SCALARS[kind], default=f.default, choices=choices, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _SKIPPED_FIELDS}
+    return EngineConfig(model=args.model, **values)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint folder (config.json, weights, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 endpoints")
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None, help="the names clients use (default: the --model path)"
+    )
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(parser)
+
+
+def build_server(
+    config: EngineConfig, model_names: list[str] | None = None, api_key: str | None = None
+) -> tuple[OpenAIServer, FastAPI]:
+    """Load the engine and wrap it in the HTTP app (the engine thread starts with the app's lifespan)."""
+    from jetserve.engine.engine import LLMEngine
+    from jetserve.server.api import OpenAIServer, build_app
+    from jetserve.server.async_engine import AsyncEngine
+    from jetserve.server.metrics import ServerMetrics
+
+    engine = LLMEngine(config)
+    if engine.tokenizer is None:
+        raise ValueError(f"--model: {config.tokenizer or config.model} has no tokenizer.json; the server needs one")
+    names = model_names or [config.model]
+    metrics = ServerMetrics(names[0])
+    server = OpenAIServer(AsyncEngine(engine, metrics), engine.tokenizer, names, api_key, metrics)
+    return server, build_app(server)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port: {args.port} is not a TCP port")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server, app = build_server(engine_config_from_args(args), args.served_model_name, args.api_key)
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", server.model_names[0], args.host, args.port,
+                server.engine.max_model_len)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    return 0

@@ -92,7 +92,36 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     add_eval_parser(sub)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_make_checkpoint, _add_eval]
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from jetserve.server.launch import add_serve_arguments, serve  # argparse only; fastapi loads when it serves
+
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+    add_serve_arguments(p)
+    p.set_defaults(func=serve)
+
+
+def _add_bench_serving(bench: argparse._SubParsersAction) -> None:
+    from jetserve.server.bench_serving import add_bench_serving_arguments, run_bench_serving
+
+    p = bench.add_parser("serving", help="load a running server: throughput, TTFT, TPOT and ITL percentiles")
+    add_bench_serving_arguments(p)
+    p.set_defaults(func=run_bench_serving)
+
+
+# `jetserve bench <kind>`: each entry adds one kind to the `bench` sub-parsers (`offline` is the engine's, issue 4).
+BENCH_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_bench_serving]
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: `serving` (a running server)")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    for add in BENCH_COMMANDS:
+        add(bench)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_generate, _add_make_checkpoint, _add_eval, _add_serve, _add_bench
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ def test_parse_prometheus_sums_label_sets():
         'jetserve:request_success_total{finished_reason="stop",model_name="m"} 3.0\n'
         'jetserve:request_success_total{finished_reason="length",model_name="a {b}"} 2.0\n'
         "jetserve:num_requests_running 4\n"
-        "jetserve:step_seconds_bucket{le=\"+Inf\"} 7.0 1700000000\n"
+        'jetserve:step_seconds_bucket{le="+Inf"} 7.0 1700000000\n'
         "\n"
     )
     assert parse_prometheus(text) == {

@@ -1,4 +1,5 @@
-"""The HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics on FastAPI, plus `serve`."""
+"""The HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and vLLM's
+/tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from jetserve.server.protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_logprob_entry,
     new_id,
     now,
@@ -399,6 +402,41 @@ class OpenAIServer:
             ],
         }  # fmt: skip
 
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: {"prompt"} or {"messages"} to token ids (what lm-eval's remote tokenizer calls)."""
+        req: TokenizeRequest = parse_request(TokenizeRequest, await request.body())
+        if req.messages is not None:
+            chat = ChatCompletionRequest(model=self.model_names[0], messages=req.messages,
+                                         add_generation_prompt=req.add_generation_prompt)  # fmt: skip
+            tokens = self._chat_prompt(chat)
+        else:
+            assert req.prompt is not None
+            tokens = self.tokenizer.encode(req.prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await request.body())
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(f"tokens: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        config = self.tokenizer.config
+
+        def special(name: str) -> str | None:
+            value = config.get(name)
+            return value.get("content") if isinstance(value, dict) else value
+
+        return {
+            "tokenizer_class": config.get("tokenizer_class"),
+            "eos_token": special("eos_token"),
+            "bos_token": special("bos_token"),
+            "pad_token": special("pad_token"),
+            "chat_template": self.tokenizer.chat_template,
+            "model_max_length": self.engine.max_model_len,
+        }
+
     def is_authorized(self, request: Request) -> bool:
         if self.api_key is None:
             return True
@@ -565,6 +603,18 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return server.models()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await server.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await server.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return server.tokenizer_info()
 
     @app.get("/health")
     async def health() -> Response:

@@ -229,6 +229,28 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False  # the byte-level BPE tokenizers jetserve serves add none
+    add_generation_prompt: bool = True
+
+    def check_unsupported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError("prompt: give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
+
+    def check_unsupported(self) -> None:
+        pass
+
+
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """Decode a JSON body into `model`, raising ApiError (400) for malformed JSON or an invalid field."""
     try:

@@ -298,3 +298,16 @@ def _aborted(running_server) -> float:
         if line.startswith("jetserve:request_success_total{") and 'finished_reason="abort"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_tokenizer_endpoints_as_lm_eval_uses_them(running_server, offline):
+    tokenize = running_server.post("/tokenize", {"prompt": "Hello", "add_special_tokens": False}).json()
+    assert tokenize["tokens"] == offline.tokenizer.encode("Hello") and tokenize["count"] == 5
+    chat = running_server.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == offline.tokenizer.encode(offline.tokenizer.apply_chat_template([
+        {"role": "user", "content": "hi"}]))  # fmt: skip
+    assert running_server.post("/detokenize", {"tokens": tokenize["tokens"]}).json() == {"prompt": "Hello"}
+    info = httpx.get(running_server.base_url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] and info["model_max_length"] == MAX_MODEL_LEN
+    assert running_server.post("/detokenize", {"tokens": [10**7]}).json()["error"]["param"] == "tokens"
+    assert running_server.post("/tokenize", {}).status_code == 400

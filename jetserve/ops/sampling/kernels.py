@@ -163,7 +163,7 @@ def keep_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     threshold_p = torch.where(is_p_on, top.gather(1, cut_index), 0.0)  # [N, 1]
     threshold_m = min_p.float()[:, None] * top[:, :1]  # [N, 1]
     threshold = torch.minimum(torch.maximum(torch.maximum(threshold_k, threshold_p), threshold_m), top[:, :1])
-    if num_candidates == vocab_size:
+    if num_candidates == vocab_size or num_rows == 0:
         return threshold
     # the top-k tie group may run past C (then `total` misses part of it), and the top-p prefix may not end in C
     is_k_settled = ~is_k_on | ((top_k <= num_candidates) & (~is_p_on[:, 0] | (top[:, -1] < threshold_k[:, 0])))

@@ -53,13 +53,17 @@ def _serve_command(checkpoint: Path, port: int) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a real `jetserve serve` on a random tiny checkpoint (reference backend, CPU)."""
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from jetserve.checkpoint import make_checkpoint
 
-    checkpoint = make_checkpoint("tiny", tmp_path_factory.mktemp("evals") / "tiny", seed=5)
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("evals") / "tiny", seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Iterator[str]:
+    """Base URL of a real `jetserve serve` on a random tiny checkpoint (reference backend, CPU)."""
     port = _free_port()
-    command = _serve_command(checkpoint, port)
+    command = _serve_command(tiny_checkpoint, port)
     log = (tmp_path_factory.getbasetemp() / "tiny_server.log").open("w+")
     env = os.environ | {"JETSERVE_BACKEND": "reference"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

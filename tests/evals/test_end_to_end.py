@@ -115,7 +115,7 @@ def test_gsm8k_real_server(tiny_server, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mode", ["logprob", "generate"])
-def test_mmlu_real_server(tiny_server, tmp_path, capsys, mode):
+def test_mmlu_real_server(tiny_server, tiny_checkpoint, tmp_path, capsys, mode):
     out_file = tmp_path / "m.json"
     _run(capsys, "mmlu", "--base-url", tiny_server, "--subjects", "abstract_algebra", "--limit", "2", "--num-shots",
          "1", "--mode", mode, "--max-tokens", "4", "--out", str(out_file))  # fmt: skip
@@ -127,6 +127,32 @@ def test_mmlu_real_server(tiny_server, tmp_path, capsys, mode):
             # Byte-level tokenizer: each choice differs in its last token only, one log-prob each, all distinct.
             assert len(sample["scores"]) == 4 and all(math.isfinite(x) and x < 0 for x in sample["scores"])
             assert sample["predicted"] in "ABCD" and math.fsum(math.exp(x) for x in sample["scores"]) < 1 + 1e-4
+        # The scores are the model's own next-token log-probs of A..D after "Answer: " (one unbatched forward here).
+        for sample, expected in zip(result["samples"], _letter_logprobs(tiny_checkpoint, 1, 2), strict=True):
+            assert sample["scores"] == pytest.approx(expected, abs=1e-4)
+
+
+def _letter_logprobs(checkpoint, num_shots, limit):
+    """log P(letter | prompt + " ") for A..D of abstract_algebra's first `limit` test rows, without the server."""
+    import torch
+
+    from jetserve.evals import mmlu
+    from jetserve.model.loader import load_model
+    from jetserve.model.static_cache import StaticCache
+    from jetserve.tokenizer import Tokenizer
+
+    model, tokenizer = load_model(checkpoint), Tokenizer(checkpoint)
+    letters = [tokenizer.encode(x) for x in mmlu.LETTERS]
+    assert all(len(ids) == 1 for ids in letters)
+    shots = mmlu.load_split("abstract_algebra", "dev")[:num_shots]
+    out = []
+    for row in mmlu.load_split("abstract_algebra", "test")[:limit]:
+        ids = tokenizer.encode(mmlu.build_prompt("abstract_algebra", row, shots) + " ")
+        with torch.no_grad():
+            hidden = model(StaticCache(model, num_seqs=1, max_tokens=len(ids)).batch([0], [ids]))  # [T, hidden]
+            logprobs = torch.log_softmax(model.compute_logits(hidden[-1:]).float(), dim=-1)[0]  # [vocab]
+        out.append([float(logprobs[ids[0]]) for ids in letters])
+    return out
 
 
 def test_mtbench_real_server_and_compare(tiny_server, tmp_path, capsys):

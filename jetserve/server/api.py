@@ -15,6 +15,8 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jetserve.engine.output import RequestOutput
 from jetserve.engine.sequence import TokenLogprobs
@@ -437,10 +439,10 @@ class OpenAIServer:
             "model_max_length": self.engine.max_model_len,
         }
 
-    def is_authorized(self, request: Request) -> bool:
+    def is_authorized(self, headers: Headers) -> bool:
         if self.api_key is None:
             return True
-        header = request.headers.get("authorization", "")
+        header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
@@ -553,6 +555,23 @@ def _engine_rejection(e: RequestRejectedError) -> ApiError:
     return ApiError(message, param=field if sep and field.isidentifier() else None)
 
 
+class _ApiKeyMiddleware:
+    """401 for /v1 requests without the server's key (a plain ASGI middleware: streamed bodies pass untouched)."""
+
+    def __init__(self, app: ASGIApp, server: OpenAIServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if not self.server.is_authorized(Headers(scope=scope)):
+                error = ApiError("invalid or missing API key", status_code=401, code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(server: OpenAIServer) -> FastAPI:
     """The FastAPI app around `server`; its lifespan starts and stops the engine thread."""
 
@@ -566,12 +585,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     app = FastAPI(title="jetserve", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable) -> Response:
-        if request.url.path.startswith("/v1") and not server.is_authorized(request):
-            error = ApiError("invalid or missing API key", status_code=401, code="invalid_api_key")
-            return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    app.add_middleware(_ApiKeyMiddleware, server=server)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

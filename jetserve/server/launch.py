@@ -84,5 +84,8 @@ def serve(args: argparse.Namespace) -> int:
     server, app = build_server(engine_config_from_args(args), args.served_model_name, args.api_key)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", server.model_names[0], args.host, args.port,
                 server.engine.max_model_len)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+        timeout_graceful_shutdown=10,  # streams still open then are cut (their requests abort)
+    )  # fmt: skip
     return 0

@@ -1,0 +1,178 @@
+"""Drafter: runs the EAGLE-3 draft model — catches its own K/V up on committed tokens, then drafts `num_steps`
+levels of `topk` children per node and keeps the best `num_draft_tokens` as a DraftTree. Device tensors throughout,
+fixed shapes per (batch size, tree shape), no host synchronisation.
+
+Draft position t holds the pair (token t + 1, target feature at t): its output predicts token t + 2. With n tokens
+in the target's cache and the root (the last committed token, position n) not yet in it, the draft's cache holds
+positions [0, n) and its output at n - 1 gives the root's children. A node at depth d ≥ 1 sits at draft position
+n + d - 1 with input (its token, the draft output at its parent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
+from jetserve.spec.eagle3 import Eagle3DraftModel
+from jetserve.spec.tree import DraftTree, build_draft_tree, expand_frontier, first_level
+
+
+@dataclass
+class DraftKV:
+    """Where each sequence's draft K/V lives: its pages in the draft cache (logical → physical), like `attn` pages.
+    Sharing the target's `attn` block table is natural: draft position t needs a page exactly when target position
+    t does."""
+
+    block_tables: torch.Tensor  # [N, P] int32
+    page_size: int
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots [T] int64 of `positions` [T] in the pages of sequences `rows` [T]."""
+        pages = self.block_tables[rows, positions // self.page_size].long()
+        return pages * self.page_size + positions % self.page_size
+
+
+class Drafter:
+    def __init__(self, draft: Eagle3DraftModel, topk: int, num_steps: int, num_draft_tokens: int) -> None:
+        if topk < 1 or num_steps < 1:
+            raise ValueError(f"spec topk ({topk}) and num_steps ({num_steps}) must be ≥ 1")
+        max_nodes = 1 + topk + (num_steps - 1) * topk * topk
+        if not 2 <= num_draft_tokens <= max_nodes:
+            raise ValueError(
+                f"spec num_draft_tokens: {num_draft_tokens} must be in [2, {max_nodes}] for topk {topk} and "
+                f"num_steps {num_steps} (the root plus the drafted candidates)"
+            )
+        self.draft = draft
+        self.topk = topk
+        self.num_steps = num_steps
+        self.num_draft_tokens = num_draft_tokens
+
+    def _prefill_batch(
+        self, positions: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, slots: torch.Tensor,
+        block_tables: torch.Tensor, max_seqlen_q: int,
+    ) -> ForwardBatch:  # fmt: skip
+        num_seqs = cu_seqlens.shape[0] - 1
+        return ForwardBatch(
+            phase=Phase.PREFILL,
+            input_ids=positions,  # unused by the draft (it takes input_ids as an argument)
+            positions=positions,
+            cu_seqlens=cu_seqlens.to(torch.int32),
+            context_lens=context_lens.to(torch.int32),
+            state_indices=torch.zeros(num_seqs, dtype=torch.int32, device=positions.device),
+            has_initial_state=torch.ones(num_seqs, dtype=torch.bool, device=positions.device),
+            max_seqlen_q=max_seqlen_q,
+            kv=KVMetadata(slot_mapping=slots, block_tables=block_tables),
+        )
+
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor],
+        cu_seqlens: torch.Tensor,
+        start_positions: torch.Tensor,
+        kv: DraftKV,
+        max_seqlen_q: int,
+        num_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append draft positions to the draft cache (after a target prefill chunk, or after verification).
+
+        input_ids [T] (token t + 1 for draft position t), aux_hidden_states the target's features at those positions
+        (one [T, H_t] per `draft.capture_layers`), cu_seqlens [N+1], start_positions [N] (draft position of each
+        sequence's first new token), num_valid [N] (only the first num_valid tokens of a sequence are stored and
+        count; default all). Returns the draft output at each sequence's last valid token [N, H]: what `draft_tree`
+        expands.
+        """
+        device = input_ids.device
+        num_tokens = input_ids.shape[0]
+        cu = cu_seqlens.to(device, torch.long)
+        lens = cu[1:] - cu[:-1]  # [N]
+        owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=num_tokens)
+        offset = torch.arange(num_tokens, device=device) - cu[owner]  # [T]
+        starts = start_positions.to(device, torch.long)
+        positions = starts[owner] + offset  # [T]
+        valid = lens if num_valid is None else num_valid.to(device, torch.long)  # [N]
+        slots = torch.where(offset < valid[owner], kv.slots(owner, positions), -1)  # padding writes nothing
+        fb = self._prefill_batch(positions, cu, starts + lens, slots, kv.block_tables, max_seqlen_q)
+        hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb)  # [T, H]
+        return hidden[cu[:-1] + valid - 1]
+
+    def extend_after_verify(
+        self,
+        tree: DraftTree,
+        accepted_nodes: torch.Tensor,
+        num_accepted: torch.Tensor,
+        bonus: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor],
+        kv: DraftKV,
+    ) -> torch.Tensor:
+        """Catch up on a verify step: accepted nodes a_0 (the root) .. a_{m-1} become draft positions
+        root position + [0, m) with inputs (token of a_{k+1}, or the bonus for the last; the target's feature at a_k).
+        Fixed shape: T_d tokens per sequence, the ones past m padding. Returns [N, H] for the next `draft_tree`.
+
+        tree the verified DraftTree [N, T_d], accepted_nodes [N, T_d] / num_accepted [N] / bonus [N] from tree
+        acceptance, aux_hidden_states the verify step's features (one [N*T_d, H_t] per capture layer).
+        """
+        num_seqs, num_nodes = tree.tokens.shape
+        device = tree.tokens.device
+        nodes = accepted_nodes.long().clamp(min=0)  # [N, T_d]
+        count = num_accepted.long()  # [N]
+        depth = torch.arange(num_nodes, device=device)
+        next_nodes = torch.cat([nodes[:, 1:], nodes[:, :1]], dim=1)  # [N, T_d]: a_{k+1}
+        next_tokens = tree.tokens.gather(1, next_nodes)  # [N, T_d]
+        input_ids = torch.where(depth[None, :] == count[:, None] - 1, bonus.long()[:, None], next_tokens)
+        flat = (torch.arange(num_seqs, device=device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
+        features = [aux[flat] for aux in aux_hidden_states]
+        cu = torch.arange(num_seqs + 1, device=device) * num_nodes
+        return self.extend(input_ids.view(-1), features, cu, tree.positions[:, 0], kv, num_nodes, num_valid=count)
+
+    def draft_tree(
+        self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV
+    ) -> DraftTree:
+        """Draft the tree below each root: last_hidden [N, H] (from `extend`), root_tokens [N], root_positions [N]
+        (= tokens in the target's cache; the draft cache holds positions [0, root_position)).
+
+        Level d + 1 re-runs, for each of the k frontier nodes, the chain of its d + 1 draft inputs over the draft
+        cache (nothing is stored), so sibling branches never see each other. The draft is one layer, so this costs
+        a few dozen tokens per sequence and keeps the cache append-only.
+        """
+        k = self.topk
+        num_seqs, hidden_size = last_hidden.shape
+        device = last_hidden.device
+        logprobs, tokens = self.draft.top_candidates(last_hidden, k)  # [N, k] each
+        level, frontier_index, frontier_scores = first_level(logprobs, tokens)
+        levels = [level]
+        # Each candidate's chain of draft inputs from depth 1 down to itself: tokens [N, C, d], hidden [N, C, d, H].
+        chain_tokens = tokens[:, :, None]
+        chain_hidden = last_hidden[:, None, None, :].expand(-1, k, 1, -1)
+        rows = torch.arange(num_seqs, device=device).repeat_interleave(k)  # [N*k]: sequence of each branch
+        roots = root_positions.to(device, torch.long)
+        for depth in range(1, self.num_steps):
+            pick = frontier_index[:, :, None]  # [N, k, 1]
+            branch_tokens = chain_tokens.gather(1, pick.expand(-1, -1, depth))  # [N, k, d]
+            branch_hidden = chain_hidden.gather(1, pick[..., None].expand(-1, -1, depth, hidden_size))  # [N, k, d, H]
+            positions = (roots[:, None, None] + torch.arange(depth, device=device)).expand(-1, k, -1)  # [N, k, d]
+            cu = torch.arange(num_seqs * k + 1, device=device) * depth
+            fb = self._prefill_batch(
+                positions.reshape(-1), cu, roots[rows] + depth,
+                torch.full((num_seqs * k * depth,), -1, dtype=torch.long, device=device),
+                kv.block_tables[rows], depth,
+            )  # fmt: skip
+            out = self.draft(branch_tokens.reshape(-1), branch_hidden.reshape(-1, hidden_size), fb)  # [N*k*d, H]
+            frontier_out = out.view(num_seqs, k, depth, hidden_size)[:, :, -1]  # [N, k, H]
+            child_lp, child_tokens = self.draft.top_candidates(frontier_out.reshape(-1, hidden_size), k)
+            level, next_index, next_scores = expand_frontier(
+                frontier_scores, frontier_index, child_lp.view(num_seqs, k, k), child_tokens.view(num_seqs, k, k)
+            )
+            levels.append(level)
+            # Children's chains: the parent's chain plus (child token, the parent's output).
+            chain_tokens = torch.cat(
+                [branch_tokens[:, :, None].expand(-1, -1, k, -1), child_tokens.view(num_seqs, k, k, 1)], dim=3
+            ).reshape(num_seqs, k * k, depth + 1)
+            parent_out = frontier_out[:, :, None, None, :].expand(-1, -1, k, 1, -1)  # [N, k, k, 1, H]
+            chain_hidden = torch.cat([branch_hidden[:, :, None].expand(-1, -1, k, -1, -1), parent_out], dim=3).reshape(
+                num_seqs, k * k, depth + 1, hidden_size
+            )
+            frontier_index, frontier_scores = next_index, next_scores
+        return build_draft_tree(root_tokens, levels, self.num_draft_tokens, roots)

@@ -1,0 +1,207 @@
+"""Drafter + Verifier on the tiny target (reference ops, fp32): greedy speculative output equals plain greedy output
+token for token, for chains and trees, with forced acceptance patterns mixed per sequence; the JetBlock state after
+speculative rounds equals the state after prefilling the same tokens."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from jetserve.checkpoint import make_checkpoint
+from jetserve.model.forward_batch import KVMetadata
+from jetserve.model.loader import load_model
+from jetserve.model.static_cache import StaticCache
+from jetserve.spec.drafter import Drafter, DraftKV
+from jetserve.spec.eagle3 import load_draft_model, make_draft_checkpoint
+from jetserve.spec.tree import DraftTree, ancestor_mask
+from jetserve.spec.verifier import SamplingRows, Verifier
+
+MAX_TOKENS = 96
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target_dir = make_checkpoint("tiny", tmp_path_factory.mktemp("target"), seed=0)
+    target = load_model(target_dir, dtype="float32")
+    draft_dir = make_draft_checkpoint(target_dir, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200)
+    return target, load_draft_model(draft_dir, target)
+
+
+def _prompts(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 259, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _jet_states(model, slot):
+    return [
+        t[slot].clone()
+        for layer in model.model.layers
+        if layer.kind == "jet"
+        for t in (layer.self_attn.conv_state, layer.self_attn.recurrent_state)
+    ]
+
+
+def _plain_greedy(target, prompts, num_tokens):
+    """Greedy continuation of each prompt, one sequence at a time: num_tokens tokens after the prompt."""
+    outputs = []
+    for prompt in prompts:
+        cache = StaticCache(target, 1, MAX_TOKENS, PAGE)
+        logits = target.compute_logits(target(cache.batch([0], [prompt])))
+        out = [int(logits[-1].argmax())]
+        while len(out) < num_tokens:
+            out.append(int(target.compute_logits(target(cache.batch([0], [[out[-1]]])))[-1].argmax()))
+        outputs.append(out)
+    return outputs
+
+
+class SpecHarness:
+    """N sequences speculating together: target StaticCache (sequence i in slot i + 1), the draft's cache on the same
+    pages, a Drafter and a Verifier."""
+
+    def __init__(self, target, draft, prompts, topk, num_steps, num_draft_tokens):
+        self.target, self.draft = target, draft
+        self.num_seqs = len(prompts)
+        self.cache = StaticCache(target, self.num_seqs, MAX_TOKENS, PAGE)
+        attn = draft.midlayer.self_attn
+        shape = (1 + self.num_seqs * self.cache.pages_per_seq, PAGE, attn.num_kv_heads, attn.head_dim)
+        draft.bind_cache(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+        self.ids = list(range(self.num_seqs))
+        self.kv = DraftKV(self.cache.block_tables, PAGE)
+        self.drafter = Drafter(draft, topk, num_steps, num_draft_tokens)
+        self.verifier = Verifier(target, draft.capture_layers)
+        self.state_indices = torch.arange(1, self.num_seqs + 1, dtype=torch.int32)
+        # Prefill the prompts, sample the first token, catch the draft up on the prompt.
+        fb = dataclasses.replace(self.cache.batch(self.ids, prompts), capture_layers=draft.capture_layers)
+        hidden = target(fb)
+        last = fb.cu_seqlens[1:].long() - 1
+        self.roots = target.compute_logits(hidden[last]).argmax(dim=-1)  # [N]
+        self.outputs = [[int(t)] for t in self.roots]
+        shifted = torch.cat([torch.tensor(p[1:] + [int(r)]) for p, r in zip(prompts, self.roots, strict=True)])
+        self.last_hidden = self.drafter.extend(
+            shifted, target.aux_hidden_states, fb.cu_seqlens, torch.zeros(self.num_seqs, dtype=torch.long), self.kv,
+            fb.max_seqlen_q,
+        )  # fmt: skip
+
+    def kv_metadata(self, stored, rows, seq_ends, state_indices):
+        tables = self.cache.block_tables[state_indices.long() - 1]
+        pages = self.cache.block_tables[rows - 1, stored // PAGE].long()
+        kv = KVMetadata(slot_mapping=pages * PAGE + stored % PAGE, block_tables=tables)
+        return kv, kv
+
+    def prefix_lens(self):
+        return torch.tensor(self.cache.lengths, dtype=torch.long)
+
+    def step(self, tree=None, sampling=None):
+        """One round: draft (or take `tree`), verify, commit, catch the draft up. Returns (tree, VerifyOutput)."""
+        drafted = self.drafter.draft_tree(self.last_hidden, self.roots, self.prefix_lens(), self.kv)
+        tree = drafted if tree is None else tree
+        fb = self.verifier.forward_batch(tree, self.prefix_lens(), self.state_indices, self.kv_metadata)
+        out = self.verifier.verify(fb, tree, sampling)
+        self.cache.commit(self.ids, out.num_accepted.tolist())
+        for seq, row in zip(self.outputs, out.emitted_tokens(tree).tolist(), strict=True):
+            seq += [t for t in row if t >= 0]
+        self.last_hidden = self.drafter.extend_after_verify(
+            tree, out.accepted_nodes, out.num_accepted, out.bonus, out.aux_hidden_states, self.kv
+        )
+        self.roots = out.bonus
+        return tree, out
+
+
+@pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 4, 5), (2, 3, 6)])
+def test_drafted_speculation_equals_plain_greedy(models, topk, num_steps, num_draft_tokens):
+    target, draft = models
+    prompts = _prompts([5, 12, 1], seed=topk)
+    expected = _plain_greedy(target, prompts, 14)
+    spec = SpecHarness(target, draft, prompts, topk, num_steps, num_draft_tokens)
+    while min(len(o) for o in spec.outputs) < 14:
+        tree, out = spec.step()
+        assert tree.tokens.shape == (3, num_draft_tokens)
+        assert bool((out.num_accepted >= 1).all())
+    assert [o[:14] for o in spec.outputs] == expected
+
+
+def _forced_tree(roots, continuation, offsets, num_correct, shape, root_positions, vocab):
+    """Trees whose correct path (tokens of the plain greedy continuation) has num_correct[i] drafts.
+
+    shape "chain": T_d = 5, the path is nodes 1..num_correct. shape "tree": parents [-1, 0, 0, 1, 2, 2, 4]; the path
+    runs through node 2, then 4, then 6 (siblings 1, 3, 5 hold wrong tokens)."""
+    if shape == "chain":
+        parents, path = [-1, 0, 1, 2, 3], [1, 2, 3, 4]
+    else:
+        parents, path = [-1, 0, 0, 1, 2, 2, 4], [2, 4, 6]
+    num_nodes = len(parents)
+    tokens = []
+    for i, root in enumerate(roots.tolist()):
+        right = continuation[i][offsets[i] + 1 : offsets[i] + 1 + num_nodes]
+        row = [root] + [(right[0] + 7 + j) % vocab for j in range(1, num_nodes)]  # wrong unless set below
+        for depth, node in enumerate(path):
+            row[node] = right[depth] if depth < num_correct[i] else (right[depth] + 1) % vocab
+        tokens.append(row)
+    parents_t = torch.tensor([parents] * len(tokens), dtype=torch.int32)
+    depths = torch.zeros_like(parents_t)
+    for j in range(1, num_nodes):
+        depths[:, j] = depths[:, parents[j]] + 1
+    return DraftTree(
+        tokens=torch.tensor(tokens),
+        parents=parents_t,
+        depths=depths,
+        mask=ancestor_mask(parents_t, num_levels=num_nodes - 1),
+        positions=root_positions[:, None] + depths.long(),
+        scores=torch.zeros(len(tokens), num_nodes),
+    )
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_forced_acceptance_patterns_keep_output_and_state_exact(models, shape):
+    """Rounds with 0, all, and mixed per-sequence acceptance (k = 1 right after k ≥ 2 included)."""
+    target, draft = models
+    vocab = target.config.vocab_size
+    prompts = _prompts([9, 3, 20], seed=7)
+    expected = _plain_greedy(target, prompts, 32)
+    max_correct = 4 if shape == "chain" else 3
+    patterns = [[0, max_correct, 2], [max_correct, 0, 1], [1, 1, max_correct], [2, max_correct, 0], [0, 0, 0],
+                [max_correct, max_correct, max_correct], [1, 2, 1]]  # fmt: skip
+    spec = SpecHarness(target, draft, prompts, topk=2, num_steps=3, num_draft_tokens=6)
+    for pattern in patterns:
+        offsets = [len(o) - 1 for o in spec.outputs]  # the root is output token `offset`
+        tree = _forced_tree(spec.roots, expected, offsets, pattern, shape, spec.prefix_lens(), vocab)
+        _, out = spec.step(tree)
+        assert out.num_accepted.tolist() == [n + 1 for n in pattern]
+    for seq, want in zip(spec.outputs, expected, strict=True):
+        assert seq == want[: len(seq)]
+    spec_states = [_jet_states(target, i + 1) for i in range(3)]
+    lengths, draft_hidden = list(spec.cache.lengths), spec.last_hidden
+    for i, prompt in enumerate(prompts):
+        tokens = prompt + spec.outputs[i]  # the cache holds all but the newest bonus
+        assert len(tokens) == lengths[i] + 1
+        # The target's state equals a prefill of the same tokens; the draft caught up as a draft prefill would.
+        fresh = SpecHarness(target, draft, [tokens[:-1]], topk=2, num_steps=3, num_draft_tokens=6)
+        for a, b in zip(spec_states[i], _jet_states(target, 1), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert int(fresh.roots[0]) == tokens[-1]
+        torch.testing.assert_close(draft_hidden[i], fresh.last_hidden[0], rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_rows_with_temperature_zero_match_greedy(models):
+    """A verify step through the sampling path with temperature 0 gives the greedy result."""
+    target, draft = models
+    prompts = _prompts([6, 11], seed=3)
+    expected = _plain_greedy(target, prompts, 12)
+    spec = SpecHarness(target, draft, prompts, topk=2, num_steps=3, num_draft_tokens=6)
+    rows = SamplingRows(
+        temperature=torch.zeros(2), top_k=torch.zeros(2, dtype=torch.int32), top_p=torch.ones(2),
+        min_p=torch.zeros(2), seeds=torch.tensor([1, 2]), counters=torch.tensor([0, 0]),
+    )  # fmt: skip
+    while min(len(o) for o in spec.outputs) < 12:
+        rows.counters = rows.counters + 1
+        spec.step(sampling=rows)
+    assert [o[:12] for o in spec.outputs] == expected
+
+
+def test_drafter_rejects_impossible_tree_sizes(models):
+    _, draft = models
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        Drafter(draft, topk=2, num_steps=2, num_draft_tokens=8)  # at most 1 + 2 + 4
+    with pytest.raises(ValueError, match="topk"):
+        Drafter(draft, topk=0, num_steps=2, num_draft_tokens=2)

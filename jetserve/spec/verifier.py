@@ -36,7 +36,7 @@ class SamplingRows:
 @dataclass
 class VerifyOutput:
     accepted_nodes: torch.Tensor  # [N, T_d] int32: node indices, root first, padded with -1
-    num_accepted: torch.Tensor  # [N] int32: accepted nodes including the root (≥ 1)
+    num_accepted: torch.Tensor  # [N] int32: accepted nodes including the root (≥ 1; 0 on padded rows, slot 0)
     bonus: torch.Tensor  # [N] int64: the next token after the accepted path (the next tree's root)
     aux_hidden_states: list[torch.Tensor]  # the target's features at every node (one [N*T_d, H] per capture layer)
 

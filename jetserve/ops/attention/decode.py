@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.attention.kv_store import cache_slots
 from jetserve.ops.attention.reference import check_decode, check_verify, check_window
+from jetserve.ops.attention.tiles import attend_tile, cache_slots
 
 LOG2E = 1.4426950408889634
 INTERPRET_TARGET_PROGRAMS = 8  # the CPU interpreter still splits small batches, so tests cover the merge
@@ -102,18 +102,11 @@ def _decode_kernel(
         slot = cache_slots(block_tables, i_n, stride_bt, p, PAGE_SIZE, RING, m_key)
         p_row = slot * (NUM_KV_HEADS * HEAD_DIM) + cache_off
         b_kt = tl.load(k_cache + p_row[None, :] + o_d[:, None], mask=m_key[None, :] & m_d[:, None], other=0.0)
-        b_s = tl.dot(b_q, b_kt.to(b_q.dtype), input_precision="ieee") * scale_log2  # [BLOCK_R, BLOCK_N]
+        b_v = tl.load(v_cache + p_row[:, None] + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
         visible = m_key[None, :]
         if WINDOW > 0:
             visible = visible & (p[None, :] > q_pos[:, None] - WINDOW)
-        b_s = tl.where(visible, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_v = tl.load(v_cache + p_row[:, None] + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-        b_m = b_m_new
+        b_m, b_l, b_acc = attend_tile(b_q, b_kt, b_v, visible, b_m, b_l, b_acc, scale_log2)
 
     # The new tokens themselves, from k/v, in the last split (every other split masks them out).
     is_last = i_s == NUM_SPLITS - 1
@@ -121,8 +114,10 @@ def _decode_kernel(
     tok_a = (i_n * NUM_NODES + o_a).to(tl.int64)
     b_kt = tl.load(
         k + tok_a[None, :] * stride_kt + i_hk * stride_kh + o_d[:, None], mask=m_new[None, :] & m_d[:, None], other=0.0
+    )  # [BLOCK_D, BLOCK_T]
+    b_v = tl.load(
+        v + tok_a[:, None] * stride_vt + i_hk * stride_vh + o_d[None, :], mask=m_new[:, None] & m_d[None, :], other=0.0
     )
-    b_s = tl.dot(b_q, b_kt.to(b_q.dtype), input_precision="ieee") * scale_log2  # [BLOCK_R, BLOCK_T]
     visible = b_tree & m_new[None, :]
     if WINDOW > 0:
         if IS_TREE:
@@ -133,16 +128,7 @@ def _decode_kernel(
         else:
             depth_a = o_a
         visible = visible & (depth_a[None, :] > depth_r[:, None] - WINDOW)
-    b_s = tl.where(visible, b_s, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-    b_alpha = tl.exp2(b_m - b_m_new)
-    b_p = tl.exp2(b_s - b_m_new[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    b_v = tl.load(
-        v + tok_a[:, None] * stride_vt + i_hk * stride_vh + o_d[None, :], mask=m_new[:, None] & m_d[None, :], other=0.0
-    )
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-    b_m = b_m_new
+    b_m, b_l, b_acc = attend_tile(b_q, b_kt, b_v, visible, b_m, b_l, b_acc, scale_log2)
 
     num_heads = NUM_KV_HEADS * GROUP
     has_keys = b_l > 0  # false for padding rows and for a split past the context
@@ -204,6 +190,11 @@ def num_splits(num_programs: int, capacity_tokens: int, block_n: int, device: to
     return max(1, min(wanted, triton.cdiv(capacity_tokens, 2 * block_n), 64))
 
 
+def _tiles(interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode/verify kernel."""
+    return (16, 1, 1) if interpret else (64, 4, 2)
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -232,7 +223,7 @@ def _launch(
     num_rows = num_nodes * group
     block_r = 16 if interpret else max(16, min(64, triton.next_power_of_2(num_rows)))
     num_row_blocks = triton.cdiv(num_rows, block_r)
-    block_n = 16 if interpret else 64
+    block_n, num_warps, num_stages = _tiles(interpret)
     page_size = k_cache.shape[1]
     capacity = block_tables.shape[1] * page_size
     if window_tokens:
@@ -252,7 +243,7 @@ def _launch(
         NUM_NODES=num_nodes, GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         WINDOW=window_tokens, RING=ring_tokens, NUM_SPLITS=splits, NUM_ROW_BLOCKS=num_row_blocks, IS_TREE=is_tree,
         BLOCK_R=block_r, BLOCK_T=max(16, triton.next_power_of_2(num_nodes)), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if interpret else 4, num_stages=1 if interpret else 2,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_tokens * num_heads,)](

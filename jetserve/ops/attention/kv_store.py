@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.attention.reference import check_commit
+from jetserve.ops.attention.tiles import cache_slots
 
 
 @triton.jit
@@ -80,17 +81,6 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, RING=ring_tokens, BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
-
-
-@triton.jit
-def cache_slots(block_tables, i_n, stride_bt, positions, PAGE_SIZE: tl.constexpr, RING: tl.constexpr, mask):
-    """Physical slots (int64) of sequence i_n's logical positions."""
-    if RING > 0:
-        logical = positions % RING
-    else:
-        logical = positions
-    page = tl.load(block_tables + i_n * stride_bt + logical // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
-    return page * PAGE_SIZE + logical % PAGE_SIZE
 
 
 @triton.jit

@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.attention.kv_store import cache_slots, store_kv
+from jetserve.ops.attention.kv_store import store_kv
 from jetserve.ops.attention.reference import check_prefill, check_window
+from jetserve.ops.attention.tiles import attend_tile, cache_slots
 
 LOG2E = 1.4426950408889634
 
@@ -63,46 +64,54 @@ def _prefill_kernel(
     b_m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max (log2 units); finite so empty rows stay 0
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first = start + i_m * BLOCK_M
+    first = start + i_m * BLOCK_M  # the block's first query position
     hi = tl.minimum(first + BLOCK_M, start + q_len)  # causal: no key after the block's last query
     if WINDOW > 0:
         lo = tl.maximum(first - WINDOW + 1, 0)
     else:
         lo = 0
-    cache_off = i_hk * HEAD_DIM
-    for n0 in range(lo, hi, BLOCK_N):
-        p = n0 + tl.arange(0, BLOCK_N)  # key positions
-        m_key = p < hi
-        in_cache = m_key & (p < start)
-        in_chunk = m_key & (p >= start)
-        slot = cache_slots(block_tables, i_n, stride_bt, p, PAGE_SIZE, RING, in_cache)
-        new_tok = (cu_lo + p - start).to(tl.int64)
-        m_c = in_cache[None, :] & m_d[:, None]
-        m_k = in_chunk[None, :] & m_d[:, None]
-        # [BLOCK_D, BLOCK_N]: each key row from the cache or from this chunk's k (masked loads read nothing)
+    p_kc = k_cache + i_hk * HEAD_DIM
+    p_vc = v_cache + i_hk * HEAD_DIM
+    p_k = k + (cu_lo - start).to(tl.int64) * stride_kt + i_hk * stride_kh  # indexed by key position
+    p_v = v + (cu_lo - start).to(tl.int64) * stride_vt + i_hk * stride_vh
+    # Three key ranges, so only the ranges that need them pay for masks: the cached prefix [lo, start), chunk keys
+    # before the block's first query [max(lo, start), first), and the diagonal [first, hi).
+    for n0 in range(lo, start, BLOCK_N):
+        p = n0 + tl.arange(0, BLOCK_N)
+        m_key = p < start
+        slot = cache_slots(block_tables, i_n, stride_bt, p, PAGE_SIZE, RING, m_key) * (NUM_KV_HEADS * HEAD_DIM)
+        b_kt = tl.load(p_kc + slot[None, :] + o_d[:, None], mask=m_key[None, :] & m_d[:, None], other=0.0)
+        b_v = tl.load(p_vc + slot[:, None] + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
+        visible = m_key[None, :]
+        if WINDOW > 0:
+            visible = visible & (p[None, :] > q_pos[:, None] - WINDOW)
+        b_m, b_l, b_acc = attend_tile(b_q, b_kt, b_v, visible, b_m, b_l, b_acc, scale_log2)
+    for n0 in range(tl.maximum(lo, start), first, BLOCK_N):
+        p = n0 + tl.arange(0, BLOCK_N)
+        m_key = p < first
         b_kt = tl.load(
-            k_cache + slot[None, :] * (NUM_KV_HEADS * HEAD_DIM) + cache_off + o_d[:, None], mask=m_c, other=0.0
+            p_k + p[None, :].to(tl.int64) * stride_kt + o_d[:, None], mask=m_key[None, :] & m_d[:, None], other=0.0
         )
-        b_kt += tl.load(k + new_tok[None, :] * stride_kt + i_hk * stride_kh + o_d[:, None], mask=m_k, other=0.0)
-        b_s = tl.dot(b_q, b_kt.to(b_q.dtype), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        b_v = tl.load(
+            p_v + p[:, None].to(tl.int64) * stride_vt + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0
+        )
+        visible = m_key[None, :]
+        if WINDOW > 0:
+            visible = visible & (p[None, :] > q_pos[:, None] - WINDOW)
+        b_m, b_l, b_acc = attend_tile(b_q, b_kt, b_v, visible, b_m, b_l, b_acc, scale_log2)
+    for n0 in range(first, hi, BLOCK_N):
+        p = n0 + tl.arange(0, BLOCK_N)
+        m_key = p < hi
+        b_kt = tl.load(
+            p_k + p[None, :].to(tl.int64) * stride_kt + o_d[:, None], mask=m_key[None, :] & m_d[:, None], other=0.0
+        )
+        b_v = tl.load(
+            p_v + p[:, None].to(tl.int64) * stride_vt + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0
+        )
         visible = m_key[None, :] & (p[None, :] <= q_pos[:, None])
         if WINDOW > 0:
-            visible &= p[None, :] > q_pos[:, None] - WINDOW
-        b_s = tl.where(visible, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        m_cv = in_cache[:, None] & m_d[None, :]
-        m_kv = in_chunk[:, None] & m_d[None, :]
-        b_v = tl.load(
-            v_cache + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + cache_off + o_d[None, :], mask=m_cv, other=0.0
-        )
-        b_v += tl.load(
-            v + new_tok[:, None] * stride_vt + i_hk * stride_vh + o_d[None, :], mask=m_kv, other=0.0
-        )  # [BLOCK_N, BLOCK_D]
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
-        b_m = b_m_new
+            visible = visible & (p[None, :] > q_pos[:, None] - WINDOW)
+        b_m, b_l, b_acc = attend_tile(b_q, b_kt, b_v, visible, b_m, b_l, b_acc, scale_log2)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]  # rows past the chunk may see nothing; they are not stored
     tl.store(
         o + tok[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM) + i_h * HEAD_DIM + o_d[None, :],

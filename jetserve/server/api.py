@@ -228,23 +228,17 @@ class OpenAIServer:
         created = now()
         completion_tokens = 0
         has_started = [False] * len(choices)
-
-        def chunk(index: int, text: str, logprobs: dict | None, finish: str | None, stop: int | str | None) -> bytes:
-            return sse({
-                "id": base_id,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                             "stop_reason": stop}],
-            })  # fmt: skip
-
+        options = req.stream_options
         async with aclosing(self._generate(choices)) as outputs:
             async for i, out in outputs:
-                yield self._completion_chunk(req, choices[i], out, has_started, score_only, chunk)
                 if not score_only:
                     completion_tokens += len(out.new_token_ids)
-        if req.stream_options is not None and req.stream_options.include_usage:
+                data = {"id": base_id, "object": "text_completion", "created": created, "model": req.model,
+                        "choices": [self._completion_chunk(req, choices[i], out, has_started, score_only)]}  # fmt: skip
+                if options is not None and options.continuous_usage_stats:
+                    data["usage"] = usage(num_prompt_tokens, completion_tokens)
+                yield sse(data)
+        if options is not None and options.include_usage:
             yield sse({
                 "id": base_id, "object": "text_completion", "created": created, "model": req.model, "choices": [],
                 "usage": usage(num_prompt_tokens, completion_tokens),
@@ -258,8 +252,8 @@ class OpenAIServer:
         out: RequestOutput,
         has_started: list[bool],
         score_only: bool,
-        chunk: Callable[..., bytes],
-    ) -> bytes:
+    ) -> dict[str, Any]:
+        """One choice of a streamed completion chunk; the first of each choice carries the echoed prompt."""
         i = choice.index
         lp = None if req.logprobs is None else CompletionLogprobs(0 if req.echo else len(choice.prompt_text))
         text = ""
@@ -276,7 +270,8 @@ class OpenAIServer:
                     lp.append(self.token_text(entry.token_id), entry.logprob, self._top_dict(entry))
         finish = ("length" if score_only else out.finish_reason) if out.finished else None
         stop = None if score_only else out.stop_reason
-        return chunk(i, text, None if lp is None else lp.to_dict(), finish, stop)
+        logprobs = None if lp is None else lp.to_dict()
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     def _add_prompt_logprobs(
         self, lp: CompletionLogprobs, prompt_ids: list[int], entries: list[TokenLogprobs | None] | None
@@ -362,16 +357,20 @@ class OpenAIServer:
         self, req: ChatCompletionRequest, base_id: str, choices: list[_Choice]
     ) -> AsyncIterator[bytes]:
         created = now()
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        options = req.stream_options
+        num_prompt_tokens = len(choices[0].prompt_ids)
+        completion_tokens = 0
 
         def chunk(choice: dict[str, Any]) -> bytes:
-            return sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                        "choices": [choice]})  # fmt: skip
+            data = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "choices": [choice]}  # fmt: skip
+            if options is not None and options.continuous_usage_stats:
+                data["usage"] = usage(num_prompt_tokens, completion_tokens)
+            return sse(data)
 
         for choice in choices:
             yield chunk({"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})  # fmt: skip
-        completion_tokens = 0
         async with aclosing(self._generate(choices)) as outputs:
             async for i, out in outputs:
                 completion_tokens += len(out.new_token_ids)
@@ -385,8 +384,7 @@ class OpenAIServer:
                     "finish_reason": out.finish_reason if out.finished else None,
                     "stop_reason": out.stop_reason if out.finished else None,
                 })  # fmt: skip
-        if include_usage:
-            num_prompt_tokens = len(choices[0].prompt_ids)
+        if options is not None and options.include_usage:
             yield sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
                        "choices": [], "usage": usage(num_prompt_tokens, completion_tokens)})  # fmt: skip
         yield SSE_DONE

@@ -76,7 +76,8 @@ Prob = Annotated[float, Field(ge=0, le=1)]
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(BaseModel):

@@ -311,3 +311,19 @@ def test_tokenizer_endpoints_as_lm_eval_uses_them(running_server, offline):
     assert info["eos_token"] == "<|im_end|>" and info["chat_template"] and info["model_max_length"] == MAX_MODEL_LEN
     assert running_server.post("/detokenize", {"tokens": [10**7]}).json()["error"]["param"] == "tokens"
     assert running_server.post("/tokenize", {}).status_code == 400
+
+
+def test_continuous_usage_stats_as_guidellm_asks(running_server):
+    """guidellm streams chat with `continuous_usage_stats` (vLLM's) and text parts: every chunk carries usage."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 5, "stop": None, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", running_server.base_url + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" in c for c in chunks)
+    assert [c["usage"]["completion_tokens"] for c in chunks if c["choices"]][-1] == 5
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5

@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_commit_args
-from jetserve.ops.dynamic_conv.launch import LazyKernel
 
 
+@triton.jit
 def _commit_kernel(
     u,  # [N*T_d, D]
     conv_state,  # [S, W-1, D]
@@ -49,9 +49,6 @@ def _commit_kernel(
     tl.store(p_window + o_r[:, None] * stride_row, new, mask=m_r[:, None] & m_d[None, :])
 
 
-_commit = LazyKernel(_commit_kernel)
-
-
 def dynamic_conv_commit(
     u: torch.Tensor,
     conv_state: torch.Tensor,
@@ -72,7 +69,7 @@ def dynamic_conv_commit(
     num_seqs, num_nodes = accepted_nodes.shape
     num_channels = u.shape[1]
     block_channels = 256 if u.is_cuda else 16  # a pure copy: wide tiles on the GPU, edge-crossing ones in tests
-    _commit[(num_seqs, triton.cdiv(num_channels, block_channels))](
+    _commit_kernel[(num_seqs, triton.cdiv(num_channels, block_channels))](
         u,
         conv_state,
         state_indices,

@@ -7,9 +7,10 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_decode_args
-from jetserve.ops.dynamic_conv.launch import LazyKernel, dot_precision, tiles_for
+from jetserve.ops.dynamic_conv.kernel_generator import dot_precision, kernel_tile, tiles_for
 
 
+@triton.jit
 def _decode_kernel(
     u,  # [N, D]
     h,  # [N, G]
@@ -28,6 +29,7 @@ def _decode_kernel(
     stride_row,
     W: tl.constexpr,
     WP: tl.constexpr,  # next power of two >= W-1
+    WT: tl.constexpr,  # next power of two >= W
     BN: tl.constexpr,
     BD: tl.constexpr,
     BG: tl.constexpr,
@@ -46,25 +48,29 @@ def _decode_kernel(
     p_state = conv_state + slots[:, None] * stride_slot + o_d[None, :]  # [BN, BD]: row 0 of each window
     rows = o_n.to(tl.int64)
 
-    acc = tl.zeros((BN, BD), dtype=tl.float32)
-    for j in tl.static_range(W):
-        kappa = tl.zeros((BN, BD), dtype=tl.float32)
-        for g0 in range(0, num_g, BG):
-            o_g = g0 + tl.arange(0, BG)
-            m_g = o_g < num_g
-            b_h = tl.load(h + rows[:, None] * stride_h + o_g[None, :], mask=m_n[:, None] & m_g[None, :], other=0.0)
-            b_w = tl.load(
-                w2_weight + (o_d * W + j)[None, :].to(tl.int64) * num_g + o_g[:, None],
-                mask=m_g[:, None] & m_d[None, :],
-                other=0.0,
-            )  # [BG, BD]: κ rows c*W + j
-            kappa += tl.dot(b_h, b_w, input_precision=DOT_PRECISION)
-        kappa += tl.load(w2_bias + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)[None, :]
-        if j < W - 1:
-            x = tl.load(p_state + j * stride_row, mask=m_nd, other=0.0)
-        else:
-            x = tl.load(u + rows[:, None] * stride_u + o_d[None, :], mask=m_nd, other=0.0)
-        acc += kappa * x.to(tl.float32)
+    kappa = kernel_tile(
+        h,
+        w2_weight,
+        w2_bias,
+        rows,
+        m_n,
+        i_d * BD,
+        num_channels,
+        num_g,
+        num_g,
+        stride_h,
+        W,
+        WT,
+        BN,
+        BD,
+        BG,
+        DOT_PRECISION,
+    )  # [BN, BD, WT]
+    o_j = tl.arange(0, WT)[None, None, :]
+    m_x = m_nd[:, :, None]
+    x_w = tl.load(p_state[:, :, None] + o_j * stride_row, mask=m_x & (o_j < W - 1), other=0.0)
+    x_u = tl.load(u + rows[:, None, None] * stride_u + o_d[None, :, None], mask=m_x & (o_j == W - 1), other=0.0)
+    acc = tl.sum(kappa * (x_u.to(tl.float32) + x_w.to(tl.float32)), axis=2)  # [BN, BD]
     y = acc * tl.sigmoid(acc)
     tl.store(out + rows[:, None] * stride_out + o_d[None, :], y.to(out.dtype.element_ty), mask=m_nd)
 
@@ -79,9 +85,6 @@ def _decode_kernel(
     new = tl.where(from_u[None, :, None], newest.to(conv_state.dtype.element_ty)[:, None, :], shifted)
     tl.debug_barrier()
     tl.store(p_window, new, mask=m_3)
-
-
-_decode = LazyKernel(_decode_kernel)
 
 
 def dynamic_conv_decode(
@@ -109,7 +112,7 @@ def dynamic_conv_decode(
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [N, D]
     tiles = tiles_for(u, num_rows)
     grid = (triton.cdiv(num_rows, tiles.block_tokens), triton.cdiv(num_channels, tiles.block_channels))
-    _decode[grid](
+    _decode_kernel[grid](
         u,
         h,
         w2_weight,
@@ -127,10 +130,12 @@ def dynamic_conv_decode(
         conv_state.stride(1),
         W=width,
         WP=triton.next_power_of_2(width - 1),
+        WT=triton.next_power_of_2(width),
         BN=tiles.block_tokens,
         BD=tiles.block_channels,
         BG=tiles.block_g,
         DOT_PRECISION=dot_precision(h),
         num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

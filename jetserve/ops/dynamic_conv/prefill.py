@@ -7,9 +7,10 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_prefill_args
-from jetserve.ops.dynamic_conv.launch import LazyKernel, dot_precision, tiles_for
+from jetserve.ops.dynamic_conv.kernel_generator import dot_precision, kernel_tile, tiles_for
 
 
+@triton.jit
 def _prefill_kernel(
     u,  # [T, D]
     h,  # [T, G]
@@ -31,6 +32,7 @@ def _prefill_kernel(
     stride_row,
     W: tl.constexpr,
     WP: tl.constexpr,  # next power of two >= W-1
+    WT: tl.constexpr,  # next power of two >= W
     BT: tl.constexpr,
     BD: tl.constexpr,
     BG: tl.constexpr,
@@ -63,26 +65,35 @@ def _prefill_kernel(
     rows = (seq_start + o_t).to(tl.int64)
     g_end = tl.where(i_k * BT < seq_len, num_g, 0)  # empty blocks skip the GEMM
 
-    acc = tl.zeros((BT, BD), dtype=tl.float32)
-    for j in tl.static_range(W):
-        kappa = tl.zeros((BT, BD), dtype=tl.float32)
-        for g0 in range(0, g_end, BG):
-            o_g = g0 + tl.arange(0, BG)
-            m_g = o_g < num_g
-            b_h = tl.load(h + rows[:, None] * stride_h + o_g[None, :], mask=m_t[:, None] & m_g[None, :], other=0.0)
-            b_w = tl.load(
-                w2_weight + (o_d * W + j)[None, :].to(tl.int64) * num_g + o_g[:, None],
-                mask=m_g[:, None] & m_d[None, :],
-                other=0.0,
-            )  # [BG, BD]: κ rows c*W + j
-            kappa += tl.dot(b_h, b_w, input_precision=DOT_PRECISION)
-        kappa += tl.load(w2_bias + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)[None, :]
-        o_src = o_t - (W - 1) + j  # tap j's input position; negative positions are rows of the old window
-        m_u = (m_t & (o_src >= 0))[:, None] & m_d[None, :]
-        m_w = (m_t & (o_src < 0) & has_init)[:, None] & m_d[None, :]
-        x_u = tl.load(u + (seq_start + o_src).to(tl.int64)[:, None] * stride_u + o_d[None, :], mask=m_u, other=0.0)
-        x_w = tl.load(p_state + (W - 1 + o_src)[:, None] * stride_row + o_d[None, :], mask=m_w, other=0.0)
-        acc += kappa * (x_u.to(tl.float32) + x_w.to(tl.float32))
+    kappa = kernel_tile(
+        h,
+        w2_weight,
+        w2_bias,
+        rows,
+        m_t,
+        i_d * BD,
+        num_channels,
+        num_g,
+        g_end,
+        stride_h,
+        W,
+        WT,
+        BT,
+        BD,
+        BG,
+        DOT_PRECISION,
+    )  # [BT, BD, WT]
+    # Tap j reads position t-(W-1)+j; negative positions are rows of the old window.
+    o_j = tl.arange(0, WT)
+    o_src = o_t[:, None, None] - (W - 1) + o_j[None, None, :]  # [BT, 1, WT]
+    m_x = m_t[:, None, None] & m_d[None, :, None] & (o_j < W)[None, None, :]
+    x_u = tl.load(
+        u + (seq_start + o_src).to(tl.int64) * stride_u + o_d[None, :, None], mask=m_x & (o_src >= 0), other=0.0
+    )
+    x_w = tl.load(
+        p_state + (W - 1 + o_src) * stride_row + o_d[None, :, None], mask=m_x & (o_src < 0) & has_init, other=0.0
+    )
+    acc = tl.sum(kappa * (x_u.to(tl.float32) + x_w.to(tl.float32)), axis=2)  # [BT, BD]
     y = acc * tl.sigmoid(acc)
     tl.store(
         out + rows[:, None] * stride_out + o_d[None, :], y.to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :]
@@ -107,9 +118,6 @@ def _prefill_kernel(
     new = tl.where(from_u[:, None], new_u.to(conv_state.dtype.element_ty), new_w)
     tl.debug_barrier()
     tl.store(p_state + o_r[:, None] * stride_row + o_d[None, :], new, mask=m_r[:, None] & m_d[None, :])
-
-
-_prefill = LazyKernel(_prefill_kernel)
 
 
 def dynamic_conv_prefill(
@@ -142,7 +150,7 @@ def dynamic_conv_prefill(
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [T, D]
     tiles = tiles_for(u, num_tokens)
     grid = (num_tokens // tiles.block_tokens + num_seqs, triton.cdiv(num_channels, tiles.block_channels))
-    _prefill[grid](
+    _prefill_kernel[grid](
         u,
         h,
         w2_weight,
@@ -163,10 +171,12 @@ def dynamic_conv_prefill(
         conv_state.stride(1),
         W=width,
         WP=triton.next_power_of_2(width - 1),
+        WT=triton.next_power_of_2(width),
         BT=tiles.block_tokens,
         BD=tiles.block_channels,
         BG=tiles.block_g,
         DOT_PRECISION=dot_precision(h),
         num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

@@ -7,9 +7,10 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_verify_args
-from jetserve.ops.dynamic_conv.launch import LazyKernel, dot_precision, tiles_for
+from jetserve.ops.dynamic_conv.kernel_generator import dot_precision, kernel_tile, tiles_for
 
 
+@triton.jit
 def _verify_kernel(
     u,  # [N*T_d, D]
     h,  # [N*T_d, G]
@@ -29,6 +30,7 @@ def _verify_kernel(
     stride_slot,
     stride_row,
     W: tl.constexpr,
+    WT: tl.constexpr,  # next power of two >= W
     BN: tl.constexpr,
     BD: tl.constexpr,
     BG: tl.constexpr,
@@ -50,44 +52,48 @@ def _verify_kernel(
     rows = o_t.to(tl.int64)
     local = o_t - seq * num_nodes + (W - 1)
 
-    acc = tl.zeros((BN, BD), dtype=tl.float32)
+    kappa = kernel_tile(
+        h,
+        w2_weight,
+        w2_bias,
+        rows,
+        m_t,
+        i_d * BD,
+        num_channels,
+        num_g,
+        num_g,
+        stride_h,
+        W,
+        WT,
+        BN,
+        BD,
+        BG,
+        DOT_PRECISION,
+    )  # [BN, BD, WT]
+    o_j = tl.arange(0, WT)
+    taps = tl.zeros((BN, WT), dtype=tl.int32) + (W - 1)  # local row of each tap; padded taps stay masked
     for jj in tl.static_range(W):
-        j = W - 1 - jj
-        kappa = tl.zeros((BN, BD), dtype=tl.float32)
-        for g0 in range(0, num_g, BG):
-            o_g = g0 + tl.arange(0, BG)
-            m_g = o_g < num_g
-            b_h = tl.load(h + rows[:, None] * stride_h + o_g[None, :], mask=m_t[:, None] & m_g[None, :], other=0.0)
-            b_w = tl.load(
-                w2_weight + (o_d * W + j)[None, :].to(tl.int64) * num_g + o_g[:, None],
-                mask=m_g[:, None] & m_d[None, :],
-                other=0.0,
-            )  # [BG, BD]: κ rows c*W + j
-            kappa += tl.dot(b_h, b_w, input_precision=DOT_PRECISION)
-        kappa += tl.load(w2_bias + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)[None, :]
-        is_node = local >= W - 1
-        node = local - (W - 1)
-        x_u = tl.load(
-            u + (seq_first + node)[:, None] * stride_u + o_d[None, :],
-            mask=(m_t & is_node)[:, None] & m_d[None, :],
-            other=0.0,
-        )
-        x_w = tl.load(
-            conv_state + slots[:, None] * stride_slot + local[:, None] * stride_row + o_d[None, :],
-            mask=(m_t & ~is_node)[:, None] & m_d[None, :],
-            other=0.0,
-        )
-        acc += kappa * (x_u.to(tl.float32) + x_w.to(tl.float32))
+        taps = tl.where(o_j[None, :] == W - 1 - jj, local[:, None], taps)
         if jj < W - 1:
-            parent = tl.load(tree_parents + seq_first + node, mask=m_t & is_node, other=0)
+            is_node = local >= W - 1
+            parent = tl.load(tree_parents + seq_first + local - (W - 1), mask=m_t & is_node, other=0)
             local = tl.where(is_node, parent + (W - 1), local - 1)
+    taps = taps[:, None, :]  # [BN, 1, WT]
+    is_node = taps >= W - 1
+    m_x = m_t[:, None, None] & m_d[None, :, None] & (o_j < W)[None, None, :]
+    x_u = tl.load(
+        u + (seq_first[:, None, None] + taps - (W - 1)) * stride_u + o_d[None, :, None], mask=m_x & is_node, other=0.0
+    )
+    x_w = tl.load(
+        conv_state + slots[:, None, None] * stride_slot + taps * stride_row + o_d[None, :, None],
+        mask=m_x & ~is_node,
+        other=0.0,
+    )
+    acc = tl.sum(kappa * (x_u.to(tl.float32) + x_w.to(tl.float32)), axis=2)  # [BN, BD]
     y = acc * tl.sigmoid(acc)
     tl.store(
         out + rows[:, None] * stride_out + o_d[None, :], y.to(out.dtype.element_ty), mask=m_t[:, None] & m_d[None, :]
     )
-
-
-_verify = LazyKernel(_verify_kernel)
 
 
 def dynamic_conv_verify(
@@ -118,7 +124,7 @@ def dynamic_conv_verify(
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [T, D]
     tiles = tiles_for(u, num_rows)
     grid = (triton.cdiv(num_rows, tiles.block_tokens), triton.cdiv(num_channels, tiles.block_channels))
-    _verify[grid](
+    _verify_kernel[grid](
         u,
         h,
         w2_weight,
@@ -137,10 +143,12 @@ def dynamic_conv_verify(
         conv_state.stride(0),
         conv_state.stride(1),
         W=width,
+        WT=triton.next_power_of_2(width),
         BN=tiles.block_tokens,
         BD=tiles.block_channels,
         BG=tiles.block_g,
         DOT_PRECISION=dot_precision(h),
         num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

@@ -1,0 +1,68 @@
+"""The fused kernel-generator tile κ = h @ w2ᵀ + bias shared by the dynamic_conv Triton kernels; their tile sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel_tile(
+    h,  # [T, G]
+    w2_weight,  # [D*W, G]
+    w2_bias,  # [D*W]
+    rows,  # [BT] int64: token rows of h
+    m_rows,  # [BT] bool
+    c0,  # first channel of the tile
+    num_channels,
+    num_g,
+    g_end,  # num_g, or 0 to skip the GEMM for a tile without tokens
+    stride_h,
+    W: tl.constexpr,
+    WP: tl.constexpr,  # next power of two >= W
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """κ for BT tokens × BD channels × all taps as one GEMM tile [BT, BD*WP] (w2 rows c*W + j are contiguous for a
+    channel block when W = WP), returned in fp32 as [BT, BD, WP]; padded taps j >= W are 0."""
+    o_n = tl.arange(0, BD * WP)
+    o_c = c0 + o_n // WP
+    o_j = o_n % WP
+    m_n = (o_c < num_channels) & (o_j < W)
+    w_rows = (o_c * W + o_j).to(tl.int64)
+    acc = tl.zeros((BT, BD * WP), dtype=tl.float32)
+    for g0 in range(0, g_end, BG):
+        o_g = g0 + tl.arange(0, BG)
+        m_g = o_g < num_g
+        b_h = tl.load(h + rows[:, None] * stride_h + o_g[None, :], mask=m_rows[:, None] & m_g[None, :], other=0.0)
+        b_w = tl.load(w2_weight + w_rows[None, :] * num_g + o_g[:, None], mask=m_g[:, None] & m_n[None, :], other=0.0)
+        acc += tl.dot(b_h, b_w, input_precision=DOT_PRECISION)
+    acc += tl.load(w2_bias + w_rows, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    return tl.reshape(acc, (BT, BD, WP))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_tokens: int  # BT: token rows per program (tl.dot M, so >= 16)
+    block_channels: int  # BD: output channels per program; the GEMM tile is BD*WP wide
+    block_g: int  # BG: kernel-generator width per tl.dot step (>= 16)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
+    """Tile sizes for `num_rows` token rows on x's device; small in the interpreter so tests cross tile edges."""
+    if not x.is_cuda:
+        return Tiles(block_tokens=16, block_channels=16, block_g=16, num_warps=1)
+    block_tokens = 16 if num_rows <= 16 else 32 if num_rows <= 64 else 64
+    return Tiles(block_tokens=block_tokens, block_channels=32, block_g=64, num_warps=4)
+
+
+def dot_precision(x: torch.Tensor) -> str:
+    """`ieee` for fp32 inputs (TF32 would lose the fp32 contract); 16-bit inputs ignore it."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"

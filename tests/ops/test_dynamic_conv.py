@@ -472,3 +472,29 @@ def test_public_functions_dispatch_on_backend(monkeypatch: pytest.MonkeyPatch) -
         backend.set_backend(None)
     torch.testing.assert_close(out_triton, out_ref, rtol=1e-5, atol=1e-5)
     assert_same_bits(pool_triton, pool_ref)
+
+
+@interpreted
+@pytest.mark.parametrize("variant", ["reference", "triton"])
+def test_empty_batch_is_a_no_op(variant: str) -> None:
+    ops = {
+        "reference": (
+            ref.dynamic_conv_prefill,
+            ref.dynamic_conv_decode,
+            ref.dynamic_conv_verify,
+            ref.dynamic_conv_commit,
+        ),
+        "triton": (dynamic_conv_prefill, dynamic_conv_decode, dynamic_conv_verify, dynamic_conv_commit),
+    }[variant]
+    prefill, decode, verify, commit = ops
+    width, d, g = 4, 24, 8
+    w2_weight, w2_bias = make_weights(d, g, width)
+    pool = make_pool(3, width, d)
+    before = pool.clone()
+    u, h = torch.randn(0, d), torch.randn(0, g)
+    none = torch.zeros(0, dtype=torch.int32)
+    assert prefill(u, h, w2_weight, w2_bias, pool, torch.zeros(1, dtype=torch.int32), none, none.bool()).shape == (0, d)
+    assert decode(u, h, w2_weight, w2_bias, pool, none).shape == (0, d)
+    assert verify(u, h, w2_weight, w2_bias, pool, none, torch.zeros(0, 4, dtype=torch.int32)).shape == (0, d)
+    commit(u, pool, none, torch.zeros(0, 4, dtype=torch.int32), none)
+    assert_same_bits(pool, before)

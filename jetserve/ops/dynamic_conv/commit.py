@@ -67,6 +67,8 @@ def dynamic_conv_commit(
     accepted_nodes = accepted_nodes.contiguous()
     assert conv_state.stride(2) == 1, "conv_state rows must be contiguous"
     num_seqs, num_nodes = accepted_nodes.shape
+    if num_seqs == 0:
+        return
     num_channels = u.shape[1]
     block_channels = 256 if u.is_cuda else 16  # a pure copy: wide tiles on the GPU, edge-crossing ones in tests
     _commit_kernel[(num_seqs, triton.cdiv(num_channels, block_channels))](

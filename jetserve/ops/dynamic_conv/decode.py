@@ -110,6 +110,8 @@ def dynamic_conv_decode(
     assert conv_state.stride(2) == 1, "conv_state rows must be contiguous"
     num_rows, num_channels = u.shape
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [N, D]
+    if num_rows == 0:
+        return out
     tiles = tiles_for(u, num_rows)
     grid = (triton.cdiv(num_rows, tiles.block_tokens), triton.cdiv(num_channels, tiles.block_channels))
     _decode_kernel[grid](

@@ -148,6 +148,8 @@ def dynamic_conv_prefill(
     num_tokens, num_channels = u.shape
     num_seqs = state_indices.shape[0]
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [T, D]
+    if num_seqs == 0:
+        return out
     tiles = tiles_for(u, num_tokens)
     grid = (num_tokens // tiles.block_tokens + num_seqs, triton.cdiv(num_channels, tiles.block_channels))
     _prefill_kernel[grid](

@@ -19,7 +19,7 @@ from jetserve.ops.dynamic_conv.checks import (
 def _kernels(h: torch.Tensor, w2_weight: torch.Tensor, w2_bias: torch.Tensor, width: int) -> torch.Tensor:
     """Per-token conv kernels κ = h @ w2ᵀ + bias in fp32, viewed [T, D, W] (tap fastest)."""
     kappa = torch.addmm(w2_bias.float(), h.float(), w2_weight.float().t())  # [T, D*W]
-    return kappa.view(h.shape[0], -1, width)
+    return kappa.view(h.shape[0], w2_weight.shape[0] // width, width)
 
 
 def dynamic_conv_prefill(

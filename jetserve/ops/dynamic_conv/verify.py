@@ -122,6 +122,8 @@ def dynamic_conv_verify(
     assert conv_state.stride(2) == 1, "conv_state rows must be contiguous"
     num_rows, num_channels = u.shape
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [T, D]
+    if num_rows == 0:
+        return out
     tiles = tiles_for(u, num_rows)
     grid = (triton.cdiv(num_rows, tiles.block_tokens), triton.cdiv(num_channels, tiles.block_channels))
     _verify_kernel[grid](

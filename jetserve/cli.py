@@ -108,12 +108,20 @@ def _add_bench_serving(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench_serving)
 
 
-# `jetserve bench <kind>`: each entry adds one kind to the `bench` sub-parsers (`offline` is the engine's, issue 4).
-BENCH_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_bench_serving]
+def _add_bench_offline(bench: argparse._SubParsersAction) -> None:
+    from jetserve.engine.bench_offline import add_offline_bench_arguments, run_offline_bench
+
+    p = bench.add_parser("offline", help="the engine alone: prefill and decode throughput per batch size vs roofline")
+    add_offline_bench_arguments(p)
+    p.set_defaults(func=run_offline_bench)
+
+
+# `jetserve bench <kind>`: each entry adds one kind to the `bench` sub-parsers.
+BENCH_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_bench_serving, _add_bench_offline]
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: `serving` (a running server)")
+    p = sub.add_parser("bench", help="benchmarks: `serving` (a running server), `offline` (the engine alone)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     for add in BENCH_COMMANDS:
         add(bench)

@@ -28,6 +28,15 @@ def test_serve_flags_become_the_engine_config():
     assert (args.port, args.api_key, args.served_model_name) == (9000, "k", ["a", "b"])
 
 
+def test_bench_has_serving_and_offline():
+    from jetserve.engine.bench_offline import run_offline_bench
+    from jetserve.server.bench_serving import run_bench_serving
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "offline", "--config", "tiny"]).func is run_offline_bench
+    assert parser.parse_args(["bench", "serving", "--base-url", "http://127.0.0.1:1"]).func is run_bench_serving
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -84,6 +84,11 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_config(tiny_checkpoint) -> EngineConfig:
+    return engine_config(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
 def running_server(tiny_checkpoint):
     config = engine_config(tiny_checkpoint)
     server, app = build_server(config, [MODEL_NAME], API_KEY)

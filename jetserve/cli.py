@@ -75,10 +75,20 @@ def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-layers", type=_positive_int)
     p.add_argument("--vocab-size", type=_positive_int)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--draft-for", metavar="DIR", help="write a random EAGLE-3 draft (SpecForge layout) for the target in DIR"
+    )
+    p.add_argument("--draft-vocab-size", type=_positive_int, help="with --draft-for: the draft's reduced vocabulary")
     p.set_defaults(func=_make_checkpoint)
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
+    if args.draft_for:
+        from jetserve.spec.eagle3 import make_draft_checkpoint
+
+        out = make_draft_checkpoint(args.draft_for, args.out, args.seed, args.draft_vocab_size, args.dtype)
+        print(f"wrote {out}")
+        return 0
     from jetserve.checkpoint import make_checkpoint
 
     out = make_checkpoint(args.config, args.out, args.seed, args.num_layers, args.vocab_size, args.dtype)

@@ -70,3 +70,13 @@ def test_missing_model_and_empty_prompt(tmp_path, checkpoint, capsys):
 def test_make_checkpoint_bad_config(capsys, tmp_path):
     assert main(["make-checkpoint", "--config", "huge", "--out", str(tmp_path)]) == 2
     assert "--config" in capsys.readouterr().err
+
+
+def test_make_checkpoint_draft_for(checkpoint, tmp_path):
+    from jetserve.model.loader import load_model
+    from jetserve.spec.eagle3 import load_draft_model
+
+    out = tmp_path / "draft"
+    assert main(["make-checkpoint", "--draft-for", str(checkpoint), "--out", str(out), "--draft-vocab-size", "64"]) == 0
+    draft = load_draft_model(out, load_model(checkpoint, dtype="float32"))
+    assert draft.config.draft_vocab_size == 64

@@ -121,12 +121,11 @@ def _prefill_kernel(
 
 
 def _tiles(head_dim: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel (H200 sweep at Dh 128, 4K tokens: 64/64/4/3
+    ties 128/64/8/3 causal and beats it by 8% with a 2048 window)."""
     if interpret:
         return 16, 16, 1, 1
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 3
+    return 64, 64, 4, 3
 
 
 def attention_prefill(

@@ -87,7 +87,8 @@ def gated_delta_rule_decode(
     """One token per sequence, in place on `state[state_indices]`: q, k `[N, H, K]`, v `[N, H, V]`, a, b `[N, H]` (raw),
     A_log, dt_bias `[H]` fp32, state `[S, H, K, V]` fp32 (contiguous within a slot), state_indices `[N]` int32.
 
-    Grid (N, H, V / block_v); padded rows point at slot 0. Returns o `[N, H, V]` in `v.dtype`.
+    Grid (N, H, V / block_v), block_v 32 or 64 by batch unless given; padded rows point at slot 0.
+    Returns o `[N, H, V]` in `v.dtype`.
     """
     check_heads(q, k, v, a, b)
     check_state(state, k, v)
@@ -99,7 +100,8 @@ def gated_delta_rule_decode(
         raise ValueError(f"gated_delta_rule_decode: state_indices {tuple(state_indices.shape)} must be [{N}]")
     scale = K**-0.5 if scale is None else scale
     q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
-    BK, BV = block_sizes(K, V, block_v)
+    # H200: 64-wide V tiles stream the state faster once there are enough programs; 32 wins at small batch
+    BK, BV = block_sizes(K, V, block_v if block_v is not None or N * H < 512 else 64)
     o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
     if N == 0:
         return o

@@ -16,14 +16,18 @@ def load_unit(ptr, o_k, m_k, EPS: tl.constexpr):
 
 
 @triton.jit
-def load_gates(a_ptr, b_ptr, A_log_h, dt_bias_h):
-    """`g = -exp(A_log) * softplus(a + dt_bias)` and `beta = sigmoid(b)` for one (token, head), fp32 scalars."""
-    b_x = tl.load(a_ptr).to(tl.float32) + dt_bias_h
+def gates(b_a, b_b, A_log_h, dt_bias_h):
+    """`g = -exp(A_log) * softplus(a + dt_bias)` and `beta = sigmoid(b)` from raw fp32 a, b (scalars or vectors)."""
+    b_x = b_a + dt_bias_h
     # torch's softplus returns x itself above 20; the minimum keeps exp finite on the untaken side
     b_softplus = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))
-    b_g = -tl.exp(A_log_h) * b_softplus
-    b_beta = tl.sigmoid(tl.load(b_ptr).to(tl.float32))
-    return b_g, b_beta
+    return -tl.exp(A_log_h) * b_softplus, tl.sigmoid(b_b)
+
+
+@triton.jit
+def load_gates(a_ptr, b_ptr, A_log_h, dt_bias_h):
+    """The gates of one (token, head), fp32 scalars."""
+    return gates(tl.load(a_ptr).to(tl.float32), tl.load(b_ptr).to(tl.float32), A_log_h, dt_bias_h)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from jetserve.engine.memory_plan import MemoryPlan
+from jetserve.engine.memory_plan import MemoryPlan, ring_tokens_for
 from jetserve.engine.sampler import Sampler
 from jetserve.engine.scheduler import Batch
 from jetserve.engine.sequence import Sequence, TokenLogprobs
@@ -287,7 +287,8 @@ def profile_activation_bytes(model: JetNemotronForCausalLM, max_num_tokens: int,
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
     assert device.type == "cuda"
-    plan = MemoryPlan(16, 2, 2, 16 if "swa" in config.layer_types else 0, 16, 0, 0)
+    ring_tokens = ring_tokens_for(config, 16, 0, config.max_position_embeddings)
+    plan = MemoryPlan(16, 2, 2, ring_tokens, 16, 0, 0)
     pool = StatePool.for_model(config, 2, dtype, device)
     runner = ModelRunner(model, plan, pool)
     num_seqs = max(1, min(max_num_seqs, max_num_tokens))
@@ -307,7 +308,11 @@ def profile_activation_bytes(model: JetNemotronForCausalLM, max_num_tokens: int,
         has_initial_state=zeros_n.bool(),
         max_seqlen_q=max(lens),
         kv=KVMetadata(torch.full((max_num_tokens,), -1, device=device), zeros_n[:, None]),
-        swa_kv=KVMetadata(torch.full((max_num_tokens,), -1, device=device), zeros_n[:, None], ring_tokens=16),
+        swa_kv=KVMetadata(
+            torch.full((max_num_tokens,), -1, device=device),
+            torch.zeros(num_seqs, max(1, ring_tokens // 16), dtype=torch.int32, device=device),
+            ring_tokens=ring_tokens,
+        ),
     )
     hidden = model(fb)
     logits = model.compute_logits(hidden[:1].expand(max_num_seqs, -1))  # [max_num_seqs, V]

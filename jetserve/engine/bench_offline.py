@@ -237,7 +237,7 @@ def bench_batch(
         prefill_roofline_tok_s=round(prefill_tokens / prefill_roofline_s, 1),
         decode_tok_s=round(batch_size / tpot, 1),
         decode_roofline_tok_s=round(batch_size / tpot_roofline, 1),
-        decode_efficiency=round(tpot_roofline / tpot, 4),
+        decode_efficiency=round(tpot_roofline / tpot, 6),
         tpot_ms=round(tpot * 1e3, 4),
         tpot_roofline_ms=round(tpot_roofline * 1e3, 4),
         decode_step_bytes=step_bytes,

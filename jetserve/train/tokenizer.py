@@ -80,8 +80,8 @@ def encode_corpus(corpus_dir: str | Path, tokenizer_dir: str | Path, out_dir: st
                   teacher: str | Path | None = None) -> dict[str, int]:  # fmt: skip
     """Write {text,chat[,teacher]}-{train,heldout}.npy into `out_dir`; returns the token count of each file.
 
-    `teacher` is the teacher's JSONL ({"id", "prompt", "answer", ...}); its answers become conversations, held out
-    like the prompt they answer.
+    `teacher` is the teacher's JSONL ({"id", "prompt", "answer", "finish_reason"}); its finished answers (cut-off
+    ones would teach rambling) become conversations, held out like the prompt they answer.
     """
     corpus, out = Path(corpus_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def encode_corpus(corpus_dir: str | Path, tokenizer_dir: str | Path, out_dir: st
         groups["teacher"] = [
             {"split": splits.get(r["id"], "train"), "messages": [{"role": "user", "content": r["prompt"]},
                                                                   {"role": "assistant", "content": r["answer"]}]}
-            for r in _read_jsonl(Path(teacher)) if r["answer"].strip()
+            for r in _read_jsonl(Path(teacher)) if r["answer"].strip() and r.get("finish_reason") == "stop"
         ]  # fmt: skip
     counts = {}
     for name, records in groups.items():

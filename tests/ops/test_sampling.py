@@ -242,6 +242,16 @@ def test_triton_exact_threshold_fallback_matches_reference(
     assert torch.equal(kernels.sample(logits, **params), ref.sample(logits, **params))
 
 
+@pytest.mark.parametrize("num_rows, vocab", [(3, 8), (2, 3000)])
+def test_triton_tempered_probs(kernels, num_rows: int, vocab: int) -> None:
+    logits = random_logits(num_rows, vocab, seed=3, scale=5.0).to(DEVICE)
+    temperature = torch.tensor([0.0, 0.7, 1.9][:num_rows], device=DEVICE)
+    probs, row_mass = kernels.tempered_probs(logits, temperature)
+    expected, _ = ref.tempered_probs(logits, temperature)
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(row_mass, torch.ones(num_rows, device=DEVICE), rtol=1e-5, atol=0.0)
+
+
 def test_triton_sample_breaks_ties_like_the_reference(kernels) -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]]).expand(30, 5).contiguous().to(DEVICE)
     params = {name: p.to(DEVICE) for name, p in rows(30, top_k=2).items()}

@@ -1,5 +1,6 @@
-"""Triton variant of `sample`: the filter threshold from the reference's torch ops, then one fused kernel that hashes
-the noise, runs the exponential race over the survivors and reduces to the winner, so the [N, V] noise never exists.
+"""Triton variant of `sample`, sort-free and without host synchronisation: a split-row softmax, the keep threshold
+from the top-C probabilities (an exact bisection for rows they do not settle), and one fused kernel that hashes the
+noise, runs the exponential race over the survivors and reduces to the winner, so the [N, V] noise never exists.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.sampling.reference import check_sample_inputs, tempered_probs
+from jetserve.ops.sampling.reference import check_sample_inputs
 
 BLOCK_V = 1024
 NUM_CANDIDATES = 1024  # the top-C probabilities that settle top-k/top-p for most rows without a full sort
@@ -77,102 +78,220 @@ def _race_kernel(
 
 
 @triton.jit
-def _exact_threshold_kernel(
+def _softmax_partials_kernel(
+    logits, temperature, part_max, part_sum, V, stride_l, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Program (row n, split s): max and Σ exp(z - max) of z = logits / T over its slice (online, per lane)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    b_t = tl.load(temperature + i_n).to(tl.float32)
+    b_t = tl.where(b_t <= 0.0, 1.0, b_t)
+    b_m = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    b_acc = tl.zeros((BLOCK_V,), tl.float32)
+    for i_v in range(i_s * SPLIT_V, (i_s + 1) * SPLIT_V, BLOCK_V):
+        o_v = i_v + tl.arange(0, BLOCK_V)
+        b_z = tl.load(logits + i_n * stride_l + o_v, mask=o_v < V, other=float("-inf")).to(tl.float32) / b_t
+        b_m_new = tl.maximum(b_m, b_z)
+        b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # lanes that saw only padding stay at 0
+        b_acc = b_acc * tl.exp(b_m - b_safe) + tl.exp(b_z - b_safe)
+        b_m = b_m_new
+    m = tl.max(b_m, axis=0)  # finite: every split holds at least one token
+    tl.store(part_max + i_n * num_splits + i_s, m)
+    tl.store(part_sum + i_n * num_splits + i_s, tl.sum(b_acc * tl.exp(b_m - m), axis=0))
+
+
+@triton.jit
+def _softmax_normalize_kernel(
+    logits,
+    temperature,
+    part_max,
+    part_sum,
     probs,
-    top_k,
-    top_p,
-    min_p,
-    threshold,
-    is_settled,
+    part_mass,
     V,
-    stride_p,
+    stride_l,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_V: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """For a row the top-C candidates did not settle: `reference.keep_threshold` by bisection on the bit patterns of
-    the probabilities (for p ≥ 0, float order is integer order), each step one pass over the row. Other rows return."""
+    """Program (row n, split s): combines the row's partials, writes p = exp(z - max) / Σ and its slice's Σ p."""
     i_n = tl.program_id(0).to(tl.int64)
-    if tl.load(is_settled + i_n) == 0:
-        p_row = probs + i_n * stride_p
-        b_k = tl.load(top_k + i_n)
-        b_top_p = tl.load(top_p + i_n)
-        # the row's max, as a key: count(key ≥ hi) == 0
-        b_max = tl.zeros((BLOCK_V,), tl.float32)
+    i_s = tl.program_id(1)
+    o_s = tl.arange(0, NUM_SPLITS)
+    b_pm = tl.load(part_max + i_n * tl.num_programs(1) + o_s, mask=o_s < tl.num_programs(1), other=float("-inf"))
+    b_ps = tl.load(part_sum + i_n * tl.num_programs(1) + o_s, mask=o_s < tl.num_programs(1), other=0.0)
+    m = tl.max(b_pm, axis=0)
+    denom = tl.sum(b_ps * tl.exp(b_pm - m), axis=0)
+    b_t = tl.load(temperature + i_n).to(tl.float32)
+    b_t = tl.where(b_t <= 0.0, 1.0, b_t)
+    b_mass = tl.zeros((BLOCK_V,), tl.float32)
+    for i_v in range(i_s * SPLIT_V, (i_s + 1) * SPLIT_V, BLOCK_V):
+        o_v = i_v + tl.arange(0, BLOCK_V)
+        m_v = o_v < V
+        b_z = tl.load(logits + i_n * stride_l + o_v, mask=m_v, other=float("-inf")).to(tl.float32) / b_t
+        b_p = tl.exp(b_z - m) / denom
+        tl.store(probs + i_n * V + o_v, b_p, mask=m_v)
+        b_mass += tl.where(m_v, b_p, 0.0)
+    tl.store(part_mass + i_n * tl.num_programs(1) + i_s, tl.sum(b_mass, axis=0))
+
+
+@triton.jit
+def _bisect_threshold(p_row, b_k, b_top_p, p_max, V, BLOCK_V: tl.constexpr):
+    """`reference.keep_threshold` before min-p, for one row, by bisection on the bit patterns of the probabilities
+    (for p ≥ 0, float order is integer order); each step is one pass over the row."""
+    hi = p_max.to(tl.int32, bitcast=True) + 1  # count(key ≥ hi) == 0
+    # top-k: the largest key t with count(p ≥ t) ≥ k is the k-th largest p (ties included)
+    lo = tl.zeros((), tl.int32)
+    if (b_k > 0) & (b_k < V):
+        k_hi = hi
+        for _ in range(32):
+            mid = lo + (k_hi - lo) // 2
+            b_count = tl.zeros((BLOCK_V,), tl.int32)
+            for i_v in range(0, V, BLOCK_V):
+                o_v = i_v + tl.arange(0, BLOCK_V)
+                b_key = tl.load(p_row + o_v, mask=o_v < V, other=0.0).to(tl.int32, bitcast=True)
+                b_count += ((b_key >= mid) & (o_v < V)).to(tl.int32)
+            is_open = k_hi - lo > 1
+            is_enough = tl.sum(b_count, axis=0) >= b_k
+            lo = tl.where(is_open & is_enough, mid, lo)
+            k_hi = tl.where(is_open & ~is_enough, mid, k_hi)
+    # top-p on the top-k survivors: the largest key t ≥ lo with mass(p ≥ t) ≥ top_p · mass(p ≥ lo)
+    if b_top_p < 1.0:
+        b_mass = tl.zeros((BLOCK_V,), tl.float32)
         for i_v in range(0, V, BLOCK_V):
             o_v = i_v + tl.arange(0, BLOCK_V)
-            b_max = tl.maximum(b_max, tl.load(p_row + o_v, mask=o_v < V, other=0.0))
-        p_max = tl.max(b_max, axis=0)
-        hi = p_max.to(tl.int32, bitcast=True) + 1
-        # top-k: the largest key t with count(p ≥ t) ≥ k is the k-th largest p (ties included)
-        lo = tl.zeros((), tl.int32)
-        if (b_k > 0) & (b_k < V):
-            k_hi = hi
-            for _ in range(32):
-                mid = lo + (k_hi - lo) // 2
-                b_count = tl.zeros((BLOCK_V,), tl.int32)
-                for i_v in range(0, V, BLOCK_V):
-                    o_v = i_v + tl.arange(0, BLOCK_V)
-                    b_key = tl.load(p_row + o_v, mask=o_v < V, other=0.0).to(tl.int32, bitcast=True)
-                    b_count += ((b_key >= mid) & (o_v < V)).to(tl.int32)
-                is_open = k_hi - lo > 1
-                is_enough = tl.sum(b_count, axis=0) >= b_k
-                lo = tl.where(is_open & is_enough, mid, lo)
-                k_hi = tl.where(is_open & ~is_enough, mid, k_hi)
-        # top-p on the top-k survivors: the largest key t ≥ lo with mass(p ≥ t) ≥ top_p · mass(p ≥ lo)
-        if b_top_p < 1.0:
+            b_p = tl.load(p_row + o_v, mask=o_v < V, other=0.0)
+            b_mass += tl.where(b_p.to(tl.int32, bitcast=True) >= lo, b_p, 0.0)
+        target = b_top_p * tl.sum(b_mass, axis=0)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
             b_mass = tl.zeros((BLOCK_V,), tl.float32)
             for i_v in range(0, V, BLOCK_V):
                 o_v = i_v + tl.arange(0, BLOCK_V)
                 b_p = tl.load(p_row + o_v, mask=o_v < V, other=0.0)
-                b_mass += tl.where(b_p.to(tl.int32, bitcast=True) >= lo, b_p, 0.0)
-            target = b_top_p * tl.sum(b_mass, axis=0)
-            for _ in range(32):
-                mid = lo + (hi - lo) // 2
-                b_mass = tl.zeros((BLOCK_V,), tl.float32)
-                for i_v in range(0, V, BLOCK_V):
-                    o_v = i_v + tl.arange(0, BLOCK_V)
-                    b_p = tl.load(p_row + o_v, mask=o_v < V, other=0.0)
-                    b_mass += tl.where(b_p.to(tl.int32, bitcast=True) >= mid, b_p, 0.0)
-                is_open = hi - lo > 1
-                is_enough = tl.sum(b_mass, axis=0) >= target
-                lo = tl.where(is_open & is_enough, mid, lo)
-                hi = tl.where(is_open & ~is_enough, mid, hi)
-        b_thr = tl.maximum(lo.to(tl.float32, bitcast=True), tl.load(min_p + i_n) * p_max)
-        tl.store(threshold + i_n, tl.minimum(b_thr, p_max))
+                b_mass += tl.where(b_p.to(tl.int32, bitcast=True) >= mid, b_p, 0.0)
+            is_open = hi - lo > 1
+            is_enough = tl.sum(b_mass, axis=0) >= target
+            lo = tl.where(is_open & is_enough, mid, lo)
+            hi = tl.where(is_open & ~is_enough, mid, hi)
+    return lo.to(tl.float32, bitcast=True)
 
 
-def keep_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """`reference.keep_threshold` without a full sort: probs [N, V] → [N, 1].
+@triton.jit
+def _threshold_kernel(
+    probs,
+    top,
+    row_mass,
+    top_k,
+    top_p,
+    min_p,
+    threshold,
+    V,
+    C,
+    BLOCK_C: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Program n: row n's keep threshold from its top-C probabilities `top` [N, C] (largest first), as the reference
+    computes it from the full sort; a row they do not settle falls back to `_bisect_threshold` over the whole row."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_c = tl.arange(0, BLOCK_C)
+    b_top = tl.load(top + i_n * C + o_c, mask=o_c < C, other=0.0)
+    p_max = tl.load(top + i_n * C)
+    p_last = tl.load(top + i_n * C + C - 1)
+    b_k = tl.load(top_k + i_n)
+    b_top_p = tl.load(top_p + i_n).to(tl.float32)
+    is_k_on = (b_k > 0) & (b_k < V)
+    is_p_on = b_top_p < 1.0
+    thr_k = tl.where(is_k_on, tl.load(top + i_n * C + tl.minimum(tl.maximum(b_k, 1), C) - 1), 0.0)
+    b_after_k = tl.where(b_top >= thr_k, b_top, 0.0)
+    b_cum = tl.cumsum(b_after_k, axis=0)
+    mass_c = tl.max(b_cum, axis=0)  # the last prefix sum (they never decrease)
+    target = b_top_p * tl.where(is_k_on, mass_c, tl.load(row_mass + i_n))
+    cut = tl.minimum(tl.sum(((b_cum < target) & (o_c < C)).to(tl.int32), axis=0), C - 1)
+    thr_p = tl.where(is_p_on, tl.load(top + i_n * C + cut), 0.0)
+    b_thr = tl.maximum(thr_k, thr_p)
+    # the top-k tie group may run past C (then the mass misses part of it), and the top-p prefix may not end in C
+    is_k_settled = ~is_k_on | ((b_k <= C) & (~is_p_on | (p_last < thr_k)))
+    is_p_settled = ~is_p_on | (mass_c >= target)
+    if (C < V) & ~(is_k_settled & is_p_settled):
+        b_thr = _bisect_threshold(probs + i_n * V, b_k, b_top_p, p_max, V, BLOCK_V)
+    b_thr = tl.maximum(b_thr, tl.load(min_p + i_n).to(tl.float32) * p_max)
+    tl.store(threshold + i_n, tl.minimum(b_thr, p_max))
 
-    The top C probabilities (`torch.topk`) settle a row when its k ≤ C and, with top-p on, the top-k set ends inside
-    them and they hold the top-p mass; an unsettled row is solved exactly by `_exact_threshold_kernel`, which every
-    other row leaves at once. Masses are summed in a different order from the reference's cumsum, so a row whose
-    cumulative mass lands within rounding of top_p may cut one tie group differently.
+
+def _splits(num_rows: int, vocab_size: int, device: torch.device) -> tuple[int, int]:
+    """(number of splits, tokens per split) so that N × splits programs fill the GPU; every split holds a token."""
+    num_blocks = triton.cdiv(vocab_size, BLOCK_V)
+    num_splits = max(1, min(num_blocks, triton.cdiv(_num_programs_wanted(device), max(num_rows, 1))))
+    split_v = triton.cdiv(num_blocks, num_splits) * BLOCK_V
+    return triton.cdiv(vocab_size, split_v), split_v
+
+
+def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(logits / T) with T ≤ 0 read as 1, split along the row: logits [N, V] → (probs [N, V] fp32, row mass
+    Σ p [N] fp32, summed as the kernels see it)."""
+    num_rows, vocab_size = logits.shape
+    num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
+    part_max = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
+    part_sum = torch.empty_like(part_max)  # [N, splits]
+    part_mass = torch.empty_like(part_max)  # [N, splits]
+    probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]
+    if num_rows > 0:
+        grid = (num_rows, num_splits)
+        _softmax_partials_kernel[grid](
+            logits, temperature, part_max, part_sum, vocab_size, logits.stride(0), SPLIT_V=split_v, BLOCK_V=BLOCK_V
+        )
+        _softmax_normalize_kernel[grid](
+            logits,
+            temperature,
+            part_max,
+            part_sum,
+            probs,
+            part_mass,
+            vocab_size,
+            logits.stride(0),
+            NUM_SPLITS=triton.next_power_of_2(num_splits),
+            SPLIT_V=split_v,
+            BLOCK_V=BLOCK_V,
+        )
+    return probs, part_mass.sum(dim=1)
+
+
+def keep_threshold(
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    row_mass: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`reference.keep_threshold` without a full sort: probs [N, V] (row_mass [N] = Σ p, computed when None) → [N, 1].
+
+    `torch.topk` gives the C largest probabilities; they settle a row when its k ≤ C and, with top-p on, the top-k set
+    ends inside them and they hold the top-p mass; other rows are solved exactly by bisection over the whole row.
+    Masses are summed in another order than the reference's cumsum, so a row whose cumulative mass lands within
+    rounding of top_p may cut one tie group differently.
     """
     num_rows, vocab_size = probs.shape
     num_candidates = min(vocab_size, NUM_CANDIDATES)
-    top = probs.topk(num_candidates, dim=-1).values  # [N, C], largest first
-    is_k_on = (top_k > 0) & (top_k < vocab_size)  # [N]
-    k_index = torch.where(is_k_on, top_k.long() - 1, num_candidates - 1).clamp(max=num_candidates - 1)[:, None]
-    threshold_k = torch.where(is_k_on[:, None], top.gather(1, k_index), 0.0)  # [N, 1]
-    after_k = torch.where(top >= threshold_k, top, 0.0)  # [N, C]
-    mass = after_k.cumsum(dim=-1)  # [N, C]
-    total = torch.where(is_k_on[:, None], mass[:, -1:], probs.sum(dim=-1, keepdim=True))  # [N, 1]
-    target = top_p.float()[:, None] * total  # [N, 1]
-    cut_index = (mass < target).sum(dim=-1, keepdim=True).clamp(max=num_candidates - 1)  # [N, 1]
-    is_p_on = top_p[:, None] < 1.0  # [N, 1]
-    threshold_p = torch.where(is_p_on, top.gather(1, cut_index), 0.0)  # [N, 1]
-    threshold_m = min_p.float()[:, None] * top[:, :1]  # [N, 1]
-    threshold = torch.minimum(torch.maximum(torch.maximum(threshold_k, threshold_p), threshold_m), top[:, :1])
-    if num_candidates == vocab_size or num_rows == 0:
-        return threshold
-    # the top-k tie group may run past C (then `total` misses part of it), and the top-p prefix may not end in C
-    is_k_settled = ~is_k_on | ((top_k <= num_candidates) & (~is_p_on[:, 0] | (top[:, -1] < threshold_k[:, 0])))
-    is_p_settled = ~is_p_on[:, 0] | (mass[:, -1] >= target[:, 0])
-    is_settled = (is_k_settled & is_p_settled).to(torch.int8)  # [N]
-    threshold = threshold.contiguous()
-    _exact_threshold_kernel[(num_rows,)](
-        probs, top_k, top_p.float(), min_p.float(), threshold, is_settled, vocab_size, probs.stride(0), BLOCK_V=BLOCK_V
-    )
+    top = probs.topk(num_candidates, dim=-1).values.contiguous()  # [N, C], largest first
+    if row_mass is None:
+        row_mass = probs.sum(dim=-1)  # [N]
+    threshold = torch.empty(num_rows, 1, dtype=torch.float32, device=probs.device)  # [N, 1]
+    if num_rows > 0:
+        _threshold_kernel[(num_rows,)](
+            probs,
+            top,
+            row_mass,
+            top_k,
+            top_p,
+            min_p,
+            threshold,
+            vocab_size,
+            num_candidates,
+            BLOCK_C=triton.next_power_of_2(num_candidates),
+            BLOCK_V=BLOCK_V,
+        )
     return threshold
 
 
@@ -193,16 +312,14 @@ def sample(
     seeds: torch.Tensor,
     counters: torch.Tensor,
 ) -> torch.Tensor:
-    """Same contract and draws as `reference.sample` (up to the last-ulp rounding of the log): logits [N, V], per-row
-    temperature/top_k/top_p/min_p/seeds/counters [N] → [N] int64. No host synchronisation."""
+    """Same contract and draws as `reference.sample`, up to last-ulp rounding (softmax, log, the order of mass sums),
+    which can only change a token at a near-tie: logits [N, V], per-row temperature/top_k/top_p/min_p/seeds/counters
+    [N] → [N] int64. No host synchronisation; the same kernels for every batch composition."""
     check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
     num_rows, vocab_size = logits.shape
-    probs, is_greedy = tempered_probs(logits, temperature)  # [N, V], [N]
-    threshold = keep_threshold(probs, top_k, top_p, min_p)  # [N, 1]
-    num_blocks = triton.cdiv(vocab_size, BLOCK_V)
-    num_splits = max(1, min(num_blocks, triton.cdiv(_num_programs_wanted(logits.device), max(num_rows, 1))))
-    split_v = triton.cdiv(num_blocks, num_splits) * BLOCK_V
-    num_splits = triton.cdiv(vocab_size, split_v)
+    probs, row_mass = tempered_probs(logits, temperature)  # [N, V], [N]
+    threshold = keep_threshold(probs, top_k, top_p, min_p, row_mass)  # [N, 1]
+    num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
     best_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
     best_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)  # [N, splits]
     if num_rows > 0:
@@ -220,4 +337,4 @@ def sample(
         )
     # splits cover increasing index ranges, so argmax's first maximum is also the lowest index among ties
     winner = best_index.gather(1, best_score.argmax(dim=1, keepdim=True)).squeeze(1).long()  # [N]
-    return torch.where(is_greedy, logits.argmax(dim=-1), winner)
+    return torch.where(temperature <= 0, logits.argmax(dim=-1), winner)

@@ -1,6 +1,6 @@
-"""Tree verify and commit in Triton. Verify computes every draft node's output from the committed state in the tree form
-of the chunked rule (the state is read once per program and never written; no per-node state is formed); commit
-replays the accepted path and writes the state once. Together they move 1.5x a decode step's state bytes."""
+"""Tree verify and commit in Triton. Verify replays each draft node's ancestry path from the committed state on chip
+(the state is read once per program and never written, no per-node state reaches memory); commit replays the accepted
+path and writes the state once. Together they move 1.5x a decode step's state bytes."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from jetserve.ops.gated_delta_rule.step import (
     block_sizes,
     check_state_layout,
     delta_step,
-    gates,
     load_gates,
     load_unit,
     unit_last_stride,
@@ -58,69 +57,40 @@ def gated_delta_rule_verify_kernel(
     BT: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    # Tree form of the chunked delta rule. With G_j the summed log decay along node j's path (root..j) and e_s the
-    # delta-rule error of node s (it depends only on s's own path), every node state is
-    #   S_j = exp(G_j) S0 + sum_{s in path(j)} exp(G_j - G_s) k_s e_sᵀ,
-    #   e_s = β_s (v_s - exp(G_s) S0ᵀk_s - sum_{r in path(s), r != s} exp(G_s - G_r) (k_r·k_s) e_r),
-    # so the committed tile S0 enters only through K S0 and Q S0, and no node state is ever formed.
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    m_k, m_v, m_t = o_k < K, o_v < V, o_t < T_d
-    tok = i_n.to(tl.int64) * T_d + o_t  # [BT] this sequence's tokens
-
-    b_k = tl.load(
-        k + tok[:, None] * stride_k_t + i_h * stride_k_h + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-    ).to(tl.float32)  # [BT, BK]
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + EPS)[:, None]
-    b_q = tl.load(
-        q + tok[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0
-    ).to(tl.float32)  # [BT, BK]
-    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + EPS) * scale)[:, None]
-    b_v = tl.load(
-        v + tok[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0
-    ).to(tl.float32)  # [BT, BV]
-    b_g, b_beta = gates(
-        tl.load(a + tok * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32),
-        tl.load(b + tok * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32),
-        tl.load(A_log + i_h),
-        tl.load(dt_bias + i_h),
-    )
-    b_g = tl.where(m_t, b_g, 0.0)  # [BT]
-    b_beta = tl.where(m_t, b_beta, 0.0)  # [BT]
-
-    # path[j, m]: node m lies on node j's path (j included); walking up from every node at once takes T_d hops.
-    parents = tree_parents + i_n.to(tl.int64) * T_d
-    node = tl.where(m_t, o_t, -1)
-    path = o_t[None, :] == node[:, None]  # [BT, BT]
-    for _ in range(T_d):
-        node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
-        path = path | (o_t[None, :] == node[:, None])
-    b_G = tl.sum(tl.where(path, b_g[None, :], 0.0), axis=1)  # [BT]
-    b_decay = tl.where(path, tl.exp(tl.where(path, b_G[:, None] - b_G[None, :], 0.0)), 0.0)  # [BT, BT]
+    m_k, m_v = o_k < K, o_v < V
 
     slot = tl.load(state_indices + i_n).to(tl.int64)
     p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, read once
-    b_ks = tl.dot(b_k, b_s0, input_precision="ieee")  # [BT, BV]
-    b_qs = tl.dot(b_q, b_s0, input_precision="ieee")  # [BT, BV]
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="ieee")  # [BT, BT]
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BT, BT]
+    b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
+    b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    parents = tree_parents + i_n.to(tl.int64) * T_d
+    t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
 
-    # Errors in node order (a node's strict ancestors come before it): e_s = rhs_s - sum_r A[s, r] e_r.
-    b_A = tl.where(o_t[:, None] != o_t[None, :], b_beta[:, None] * b_decay * b_kk, 0.0)  # [BT, BT]
-    b_rhs = b_beta[:, None] * (b_v - tl.exp(b_G)[:, None] * b_ks)  # [BT, BV]
-    b_e = tl.zeros([BT, BV], dtype=tl.float32)
-    for s in range(T_d):
-        is_s = o_t == s
-        b_A_s = tl.sum(tl.where(is_s[:, None], b_A, 0.0), axis=0)  # [BT] row s
-        b_e_s = tl.sum(tl.where(is_s[:, None], b_rhs, 0.0), axis=0) - tl.sum(b_A_s[:, None] * b_e, axis=0)  # [BV]
-        b_e = tl.where(is_s[:, None], b_e_s[None, :], b_e)
-
-    b_o = tl.exp(b_G)[:, None] * b_qs + tl.dot(b_decay * b_qk, b_e, input_precision="ieee")  # [BT, BV]
-    p_o = o + (tok[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    for j in range(T_d):
+        # Ancestors of j (j included) as flags over node indices; walking up from j takes at most T_d hops.
+        b_path = tl.zeros([BT], dtype=tl.int32)
+        node = j
+        for _ in range(T_d):
+            is_node = node >= 0
+            b_path = tl.where((o_t == node) & is_node, 1, b_path)
+            node = tl.where(is_node, tl.load(parents + tl.maximum(node, 0)), -1)
+        # Parents precede children, so ascending node order along the path is root-first order.
+        b_s = b_s0
+        for m in range(j + 1):
+            if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
+                t = t0 + m
+                b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
+                b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+                b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
+                b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+        t = t0 + j
+        b_q = load_unit(q + t * stride_q_t + i_h * stride_q_h, o_k, m_k, EPS) * scale
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -230,7 +200,7 @@ def gated_delta_rule_verify(
         V=V,
         BK=BK,
         BV=BV,
-        BT=max(16, triton.next_power_of_2(T_d)),  # tl.dot needs 16 rows
+        BT=triton.next_power_of_2(T_d),
         EPS=L2NORM_EPS,
         num_warps=4,
     )

@@ -70,14 +70,16 @@ def gated_delta_rule_verify_kernel(
     parents = tree_parents + i_n.to(tl.int64) * T_d
     t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
 
+    # path[j, m] = 1 where node m lies on node j's path (j included). All nodes walk up together: T_d hops of one
+    # vector load each, instead of a chain of dependent scalar loads per node.
+    node = tl.where(o_t < T_d, o_t, -1)
+    path = tl.where(o_t[None, :] == node[:, None], 1, 0)  # [BT, BT] int32
+    for _ in range(T_d):
+        node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
+        path = tl.where(o_t[None, :] == node[:, None], 1, path)
+
     for j in range(T_d):
-        # Ancestors of j (j included) as flags over node indices; walking up from j takes at most T_d hops.
-        b_path = tl.zeros([BT], dtype=tl.int32)
-        node = j
-        for _ in range(T_d):
-            is_node = node >= 0
-            b_path = tl.where((o_t == node) & is_node, 1, b_path)
-            node = tl.where(is_node, tl.load(parents + tl.maximum(node, 0)), -1)
+        b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
         # Parents precede children, so ascending node order along the path is root-first order.
         b_s = b_s0
         for m in range(j + 1):
@@ -200,7 +202,7 @@ def gated_delta_rule_verify(
         V=V,
         BK=BK,
         BV=BV,
-        BT=triton.next_power_of_2(T_d),
+        BT=max(16, triton.next_power_of_2(T_d)),
         EPS=L2NORM_EPS,
         num_warps=4,
     )

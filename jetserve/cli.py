@@ -16,54 +16,58 @@ def _positive_int(text: str) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete one prompt and print the text")
+    from jetserve.engine.args import add_engine_arguments
+
+    p = sub.add_parser("generate", help="complete one prompt on the engine and print the text")
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, model.safetensors, tokenizer)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=_positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the request")
+    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    add_engine_arguments(p, skip=("model", "seed"))
     p.set_defaults(func=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jetserve.generate import generate_tokens
-    from jetserve.model.loader import load_model
-    from jetserve.tokenizer import load_tokenizer
+    import dataclasses
+    import time
 
-    if args.temperature < 0:
-        raise ValueError(f"--temperature: {args.temperature} must be ≥ 0")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p: {args.top_p} must be in (0, 1]")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k: {args.top_k} must be ≥ 0 (0 turns it off)")
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    prompt_ids = tokenizer.encode(prompt)
-    result = generate_tokens(
-        model, prompt_ids, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-        stop_token_ids=tokenizer.eos_token_ids,
+    from jetserve.engine.args import engine_config_from_args
+    from jetserve.llm import LLM
+    from jetserve.sampling_params import SamplingParams
+
+    # Validated before the model loads, so a typo costs no start-up.
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    text = tokenizer.decode(result.token_ids)
-    if args.json:
-        n = len(result.token_ids)
-        print(json.dumps({
-            "text": text,
-            "token_ids": result.token_ids,
-            "num_prompt_tokens": result.num_prompt_tokens,
-            "num_generated_tokens": n,
-            "finish_reason": result.finish_reason,
-            "seconds": round(result.seconds, 6),
-            "tokens_per_second": round(n / result.seconds, 3) if result.seconds > 0 else None,
-        }))  # fmt: skip
-    else:
-        print(text)
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args, model=args.model)))
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"--model: {args.model} has no tokenizer.json")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    start = time.perf_counter()
+    (out,) = llm.generate([tokenizer.encode(prompt)], params)  # a list of one prompt, even an empty one
+    seconds = time.perf_counter() - start
+    if not args.json:
+        print(out.text)
+        return 0
+    n = len(out.output_token_ids)
+    print(json.dumps({
+        "text": out.text,
+        "token_ids": list(out.output_token_ids),
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_generated_tokens": n,
+        "finish_reason": out.finish_reason,
+        "seconds": round(seconds, 6),
+        "tokens_per_second": round(n / seconds, 3) if seconds > 0 else None,
+    }))  # fmt: skip
     return 0
 
 

@@ -48,10 +48,11 @@ def test_generate_seeded_sampling_and_chat(checkpoint, capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--temperature", "-1"], "--temperature"),
-        (["--top-p", "0"], "--top-p"),
-        (["--top-p", "1.5"], "--top-p"),
-        (["--top-k", "-2"], "--top-k"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-2"], "top_k"),
+        (["--max-model-len", "1"], "max_model_len"),
     ],
 )
 def test_bad_arguments_give_one_line(checkpoint, capsys, extra, message):
@@ -62,7 +63,7 @@ def test_bad_arguments_give_one_line(checkpoint, capsys, extra, message):
 
 def test_missing_model_and_empty_prompt(tmp_path, checkpoint, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
-    assert "no tokenizer.json" in capsys.readouterr().err
+    assert "no config.json" in capsys.readouterr().err
     assert main(["generate", "--model", str(checkpoint), "--prompt", ""]) == 2
     assert "prompt" in capsys.readouterr().err
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from jetserve.engine.config import DTYPES, EngineConfig
+from jetserve.engine.args import add_engine_arguments, engine_config_from_args
+from jetserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -15,34 +15,6 @@ if TYPE_CHECKING:
     from jetserve.server.api import OpenAIServer
 
 logger = logging.getLogger(__name__)
-
-# Fields set by dedicated flags (`--model`) or that would only confuse a server user.
-_SKIPPED_FIELDS = ("model",)
-_SCALARS = {"int": int, "float": float, "str": str}
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--field-name` flag per EngineConfig field (its default, its type), so new engine knobs appear unasked."""
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _SKIPPED_FIELDS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type).replace(" ", "")
-        optional = kind.endswith("|None")
-        kind = kind.removesuffix("|None")
-        if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            continue
-        assert kind in _SCALARS, f"EngineConfig.{f.name}: no flag for a field of type {f.type}"
-        choices = DTYPES if f.name == "dtype" else None
-        help_text = "(default: decided at start)" if optional and f.default is None else "(default: %(default)s)"
-        group.add_argument(flag, type=_SCALARS[kind], default=f.default, choices=choices, help=help_text)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _SKIPPED_FIELDS}
-    return EngineConfig(model=args.model, **values)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

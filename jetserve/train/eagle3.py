@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
-        history.append((step, float(loss), accs))
+        history.append((step, loss.item(), accs))
         if step % 50 == 0 or step == 1:
             print(f"eagle3: step {step}/{cfg.max_steps} loss {float(loss):.3f} acc "
                   + " ".join(f"{a:.2f}" for a in accs), file=sys.stderr)  # fmt: skip

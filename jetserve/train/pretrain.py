@@ -83,7 +83,7 @@ def preset(name: str, vocab_size: int) -> dict[str, Any]:
     """`default`: the shipped model (about 16.0 M parameters, 32 MB in bf16); `micro`: tests (all three kinds)."""
     if name == "default":
         kinds = ["jet", "jet", "swa", "jet", "attn", "jet", "swa", "jet"]
-        return model_config(vocab_size, 384, kinds, 896, 6, 2, 64, 3, 64, window=512)
+        return model_config(vocab_size, 384, kinds, 896, 6, 2, 64, 3, 64, window=256)
     if name == "micro":
         return model_config(vocab_size, 32, ["jet", "swa", "attn"], 64, 2, 1, 16, 2, 8, window=8, max_positions=512)
     path = Path(name)
@@ -241,7 +241,7 @@ def train_step(
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 @torch.no_grad()
@@ -289,6 +289,26 @@ def load_state(
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
+    history = History(**{k: [tuple(x) for x in v] for k, v in state["history"].items()})
+    return state["step"], history
+
+
+def save_portable(
+    path: Path, model: JetNemotronForCausalLM, config: dict[str, Any], tokenizer_dir: str | Path, step: int,
+    stream: TokenStream, history: History,
+) -> None:  # fmt: skip
+    """A resume point small enough to carry between machines: bf16 weights in the HF layout plus the step, data
+    position and history (no optimizer moments: a resume from it restarts them)."""
+    export_checkpoint(model, config, tokenizer_dir, path)
+    state = {"step": step, "data": stream.position(), "history": asdict(history)}
+    (path / PORTABLE_STATE_FILE).write_text(json.dumps(state) + "\n")
+
+
+def load_portable(path: Path, model: JetNemotronForCausalLM, stream: TokenStream) -> tuple[int, History]:
+    device = next(model.parameters()).device
+    model.load_state_dict(load_model(path, dtype="float32", device=device).state_dict())
+    state = json.loads((path / PORTABLE_STATE_FILE).read_text())
+    stream.seek(**state["data"])
     history = History(**{k: [tuple(x) for x in v] for k, v in state["history"].items()})
     return state["step"], history
 
@@ -410,12 +430,16 @@ def run(args: argparse.Namespace) -> int:
         model.load_state_dict(load_model(args.init, dtype="float32", device=device).state_dict())
     opt = build_optimizer(model, cfg)
     stream = TokenStream(load_tokens(args.data), cfg.seq_len, cfg.seed)
-    heldout = np.load(args.heldout) if args.heldout else None
+    heldout = load_tokens(args.heldout) if args.heldout else None
     state_path = out / STATE_FILE
     step, history = 0, History()
+    portable = Path(args.portable) if args.portable else None
     if state_path.is_file():
         step, history = load_state(state_path, model, opt, stream)
         print(f"pretrain: resumed {state_path} at step {step}", file=sys.stderr)
+    elif portable is not None and (portable / PORTABLE_STATE_FILE).is_file():
+        step, history = load_portable(portable, model, stream)
+        print(f"pretrain: resumed the portable state {portable} at step {step} (fresh AdamW moments)", file=sys.stderr)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"pretrain: {num_params / 1e6:.2f} M parameters, {stream.num_rows} rows of {cfg.seq_len} tokens, "
           f"{cfg.max_steps} steps of {cfg.batch_size} rows on {device}", file=sys.stderr)  # fmt: skip
@@ -436,6 +460,8 @@ def run(args: argparse.Namespace) -> int:
         out_of_time = time.monotonic() - start_time > budget_s
         if step % cfg.save_every == 0 or step == cfg.max_steps or out_of_time:
             save_state(state_path, model, opt, step, stream, history, cfg, config)
+            if portable is not None:
+                save_portable(portable, model, config, args.tokenizer, step, stream, history)
             plot_curve(history, out / "loss.png", title=f"{out.name}: {num_params / 1e6:.1f} M parameters")
         if out_of_time and step < cfg.max_steps:
             paused = True
@@ -466,13 +492,14 @@ def run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jetserve.train.pretrain", description=__doc__)
     p.add_argument("--data", action="append", required=True, help="token file (.npy); FILE:K repeats it K times")
-    p.add_argument("--heldout", help="held-out token file (.npy) for perplexity")
+    p.add_argument("--heldout", action="append", help="held-out token file(s) (.npy) for perplexity")
     p.add_argument("--tokenizer", required=True, help="folder with tokenizer.json, tokenizer_config.json, ...")
     p.add_argument("--config", default="default", help="default | micro | path to a config.json")
     p.add_argument("--init", help="start from this HF checkpoint's weights (a later training phase)")
     p.add_argument("--out", required=True, help="run folder: state.pt, loss.png, summary.json, done")
     p.add_argument("--export", help="write the trained model here (HF layout) when training finishes")
     p.add_argument("--max-minutes", type=float, help="save and pause after this many minutes (resume: rerun)")
+    p.add_argument("--portable", help="also keep a small bf16 resume point here (used when OUT has no state.pt)")
     p.add_argument("--device")
     for name, default in asdict(TrainConfig()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=None, help=f"default {default}")

@@ -127,6 +127,20 @@ def test_cli_pauses_resumes_exports_and_the_export_loads(token_files, tiny_train
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_portable_resume_point_continues_the_run(token_files, tiny_train_checkpoint, tmp_path):
+    args = [
+        "--data", str(token_files / "train.npy"), "--tokenizer", str(tiny_train_checkpoint), "--config", "micro",
+        "--portable", str(tmp_path / "portable"), "--seq-len", "48", "--batch-size", "4", "--max-steps", "5",
+        "--warmup-steps", "2", "--lr", "0.01", "--gdr-impl", "reference",
+    ]  # fmt: skip
+    assert main(args + ["--out", str(tmp_path / "a"), "--max-minutes", "0"]) == 0
+    assert json.loads((tmp_path / "portable" / "train_state.json").read_text())["step"] == 1
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0  # another machine: no state.pt, only the portable point
+    state = torch.load(tmp_path / "b" / "state.pt", weights_only=False)
+    assert state["step"] == 5 and [s for s, _ in state["history"]["train"]] == [1, 2, 3, 4, 5]
+    assert state["data"] == {"epoch": 0, "index": 20}
+
+
 def test_export_shards_load(tiny_train_checkpoint, tmp_path):
     model = build_model(preset("micro", 259), torch.device("cpu"), 0)
     export_checkpoint(model, preset("micro", 259), tiny_train_checkpoint, tmp_path, torch.float32, 40_000)

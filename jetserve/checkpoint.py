@@ -12,9 +12,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from jetserve.config import ModelConfig
+from jetserve.config import VLM_MODEL_TYPE, ModelConfig, VLMConfig
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
-from jetserve.model.loader import resolve_dtype
+from jetserve.model.loader import LLM_PREFIX, resolve_dtype
+from jetserve.model.vision import projector_checkpoint_shapes, siglip_checkpoint_shapes
 from jetserve.tokenizer import CHATML_TEMPLATE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -83,15 +84,60 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# jet_vlm presets: (text preset, SigLIP vision_config, image processor config). `2b-vlm` has the published shapes
+# (SigLIP so400m/14 at 384 px: 27x27 patches → 196 tokens per tile); `tiny-vlm` an odd 5x5 patch grid (padded to
+# 6x6 → 9 tokens per tile) so tests exercise the projector's padding, and at most 4 tiles per single image.
+VLM_PRESETS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "tiny-vlm": (
+        "tiny",
+        {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "image_size": 40, "patch_size": 8},
+        {"max_tiles": 4},
+    ),
+    "2b-vlm": (
+        "2b",
+        {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+         "image_size": 384, "patch_size": 14},
+        {"max_tiles": 12},
+    ),
+}  # fmt: skip
+VLM_SPECIAL_TOKENS = ("<image>", "<vila/video>")  # the NVILA processor's image and video placeholders
+
+
+def _vlm_config(text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    vision = {"model_type": "siglip_vision_model", "num_channels": 3, "hidden_act": "gelu_pytorch_tanh",
+              "layer_norm_eps": 1e-6, "attention_dropout": 0.0, "vision_use_head": True} | vision  # fmt: skip
+    return {
+        "architectures": ["JetVLMForConditionalGeneration"],
+        "model_type": VLM_MODEL_TYPE,
+        "text_config": text,
+        "vision_config": vision,
+        "torch_dtype": text.get("torch_dtype", "bfloat16"),
+    }
+
+
 def preset_config(name_or_path: str, num_layers: int | None = None, vocab_size: int | None = None) -> dict[str, Any]:
-    """A preset name (`tiny`, `2b`, `4b`) or a path to a config JSON, with optional overrides."""
+    """A preset name (`tiny`, `2b`, `4b`, `tiny-vlm`, `2b-vlm`) or a path to a config JSON, with optional overrides
+    (applied to a jet_vlm's text model)."""
+    if name_or_path in VLM_PRESETS:
+        text_preset, vision, _ = VLM_PRESETS[name_or_path]
+        return _vlm_config(preset_config(text_preset, num_layers, vocab_size), json.loads(json.dumps(vision)))
     if name_or_path in PRESETS:
         data = json.loads(json.dumps(PRESETS[name_or_path]))
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ValueError(f"--config: {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+            names = ", ".join([*PRESETS, *VLM_PRESETS])
+            raise ValueError(f"--config: {name_or_path!r} is neither a preset ({names}) nor a JSON file")
         data = json.loads(path.read_text())
+        if data.get("model_type") == VLM_MODEL_TYPE:
+            data["text_config"] = _override(data.get("text_config") or {}, num_layers, vocab_size)
+            VLMConfig.from_dict(data)  # validate
+            return data
+    return _override(data, num_layers, vocab_size)
+
+
+def _override(data: dict[str, Any], num_layers: int | None, vocab_size: int | None) -> dict[str, Any]:
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"--num-layers: {num_layers} must be ≥ 1")
@@ -184,6 +230,9 @@ def make_checkpoint(
 ) -> Path:
     """Write config.json, model.safetensors (no lm_head.weight when tied), tokenizer and generation config."""
     data = preset_config(config, num_layers, vocab_size) if isinstance(config, str) else dict(config)
+    if data.get("model_type") == VLM_MODEL_TYPE:
+        processor = VLM_PRESETS[config][2] if isinstance(config, str) and config in VLM_PRESETS else {}
+        return _make_vlm_checkpoint(data, Path(out_dir), seed, dtype, processor)
     model_config = ModelConfig.from_dict(data)
     tok = byte_tokenizer()
     if tok.get_vocab_size(with_added_tokens=True) > model_config.vocab_size:
@@ -196,5 +245,86 @@ def make_checkpoint(
     generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     weights = random_weights(model_config, seed, resolve_dtype(dtype, model_config))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@torch.no_grad()
+def random_vision_weights(config: VLMConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random tensors for every vision tower (the whole SigLIP, head included) and projector name."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = siglip_checkpoint_shapes(config.vision) | projector_checkpoint_shapes(
+        config.vision.hidden_size, config.text.hidden_size
+    )
+    tensors = {}
+    for name, shape in shapes.items():
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = any(part in name for part in ("layer_norm", "layernorm", "mm_projector.layers.1."))
+        if is_norm and leaf == "weight":
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif leaf in ("bias", "in_proj_bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+            t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+        tensors[name] = t.to(dtype).contiguous()
+    return tensors
+
+
+def processor_config(config: VLMConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A SigLIP image processor config (preprocessor_config.json) for the tower's tile size, with the NVILA
+    processor's dynamic tiling made explicit."""
+    size = config.vision.image_size
+    return {
+        "image_processor_type": "SiglipImageProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": size, "width": size},
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "image_aspect_ratio": "dynamic",
+        "min_tiles": 1,
+        "max_tiles": 12,
+    } | overrides
+
+
+def _make_vlm_checkpoint(
+    data: dict[str, Any], out: Path, seed: int, dtype: str, processor_overrides: dict[str, Any]
+) -> Path:
+    """A random jet_vlm checkpoint: the text model's tensors under `llm.`, the SigLIP tower and projector, the
+    tokenizer with the image/video placeholders, and preprocessor_config.json."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens(list(VLM_SPECIAL_TOKENS))
+    image_token_id, video_token_id = (tok.token_to_id(t) for t in VLM_SPECIAL_TOKENS)
+    text = ModelConfig.from_dict(data["text_config"])
+    if tok.get_vocab_size(with_added_tokens=True) > text.vocab_size:
+        raise ValueError(f"vocab_size: {text.vocab_size} is smaller than the tokenizer's vocabulary")
+    out.mkdir(parents=True, exist_ok=True)
+    endoftext, im_end = write_tokenizer(tok, out, text.max_position_embeddings)
+    tokenizer_config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_file.read_text())
+    for token in VLM_SPECIAL_TOKENS:
+        tokenizer_config["added_tokens_decoder"][str(tok.token_to_id(token))] = {
+            "content": token, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
+            "single_word": False,
+        }  # fmt: skip
+    tokenizer_config |= {"image_token": VLM_SPECIAL_TOKENS[0], "video_token": VLM_SPECIAL_TOKENS[1]}
+    tokenizer_config_file.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    ids = {"bos_token_id": endoftext, "eos_token_id": endoftext}
+    data = data | ids | {"text_config": data["text_config"] | ids}
+    data |= {"image_token_id": image_token_id, "video_token_id": video_token_id}
+    config = VLMConfig.from_dict(data)
+    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    processor = processor_config(config, processor_overrides)
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    torch_dtype = resolve_dtype(dtype, config.text)
+    weights = {LLM_PREFIX + name: t for name, t in random_weights(config.text, seed, torch_dtype).items()}
+    weights |= random_vision_weights(config, seed + 1, torch_dtype)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

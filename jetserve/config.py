@@ -10,6 +10,7 @@ from typing import Any
 
 LAYER_KINDS = ("attn", "swa", "jet")
 SUPPORTED_MODEL_TYPES = ("jet_nemotron", "qwen2", "llama")
+VLM_MODEL_TYPE = "jet_vlm"  # SigLIP tower + 2x2 token-merge projector + a Jet-Nemotron text model under `llm.`
 
 
 class ConfigError(ValueError):
@@ -92,7 +93,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """A `jet_vlm` config gives its text model's config (VLMConfig.from_dict reads the whole)."""
         model_type = data.get("model_type")
+        if model_type == VLM_MODEL_TYPE:
+            return cls.from_dict(_vlm_text_config(data))
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"model_type: {model_type!r} is not supported (expected one of {', '.join(SUPPORTED_MODEL_TYPES)})"
@@ -220,3 +224,127 @@ def _jet_config(data: dict[str, Any], hidden: int) -> JetBlockConfig:
             f"{jet.value_dim}"
         )
     return jet
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The SigLIP vision tower of a `jet_vlm` checkpoint (`vision_config`, transformers' SiglipVisionConfig keys)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    vision_use_head: bool  # the checkpoint carries the pooling head (unused: jet_vlm reads patch features)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.patches_per_side**2
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Embeddings one image tile becomes: the patch grid, padded to even, merged 2x2."""
+        side = (self.patches_per_side + 1) // 2
+        return side * side
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VisionConfig:
+        prefix = "vision_config."
+        config = cls(
+            hidden_size=_int(data, "hidden_size", default=768, prefix=prefix),
+            intermediate_size=_int(data, "intermediate_size", default=3072, prefix=prefix),
+            num_hidden_layers=_int(data, "num_hidden_layers", default=12, prefix=prefix),
+            num_attention_heads=_int(data, "num_attention_heads", default=12, prefix=prefix),
+            num_channels=_int(data, "num_channels", default=3, prefix=prefix),
+            image_size=_int(data, "image_size", default=224, prefix=prefix),
+            patch_size=_int(data, "patch_size", default=16, prefix=prefix),
+            layer_norm_eps=float(data.get("layer_norm_eps", 1e-6)),
+            hidden_act=str(data.get("hidden_act", "gelu_pytorch_tanh")),
+            vision_use_head=bool(data.get("vision_use_head", True)),
+        )
+        if config.num_attention_heads <= 0 or config.hidden_size % config.num_attention_heads:
+            raise ConfigError(
+                f"{prefix}num_attention_heads: {config.num_attention_heads} must divide hidden_size "
+                f"({config.hidden_size})"
+            )
+        if config.patch_size <= 0 or config.image_size < config.patch_size:
+            raise ConfigError(f"{prefix}patch_size: {config.patch_size} must be in [1, image_size {config.image_size}]")
+        if config.num_hidden_layers < 2:
+            raise ConfigError(f"{prefix}num_hidden_layers: {config.num_hidden_layers} must be ≥ 2 (features come from "
+                              "the penultimate layer)")  # fmt: skip
+        if config.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ConfigError(f"{prefix}hidden_act: {config.hidden_act!r} is not supported (gelu_pytorch_tanh, gelu)")
+        return config
+
+
+@dataclass(frozen=True)
+class VLMConfig:
+    """A `jet_vlm` config.json: the text model, the vision tower, and the placeholder token ids."""
+
+    text: ModelConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int | None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> VLMConfig:
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"no config.json at {path}")
+        try:
+            data = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: not valid JSON ({e})") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VLMConfig:
+        if data.get("model_type") != VLM_MODEL_TYPE:
+            raise ConfigError(f"model_type: {data.get('model_type')!r} is not {VLM_MODEL_TYPE!r}")
+        vision = data.get("vision_config")
+        if not isinstance(vision, dict):
+            raise ConfigError("vision_config: required for model_type jet_vlm")
+        text = ModelConfig.from_dict(_vlm_text_config(data))
+        image_token_id = _int(data, "image_token_id")
+        video = data.get("video_token_id")
+        video_token_id = None if video is None or video == -1 else _int(data, "video_token_id")
+        for name, token in (("image_token_id", image_token_id), ("video_token_id", video_token_id)):
+            if token is not None and not 0 <= token < text.vocab_size:
+                raise ConfigError(f"{name}: {token} is outside the vocabulary [0, {text.vocab_size})")
+        return cls(text, VisionConfig.from_dict(vision), image_token_id, video_token_id, raw=data)
+
+
+def is_vlm_config(path: str | Path) -> bool:
+    """Whether `path` (a checkpoint folder or a config.json) describes a `jet_vlm` model."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text()).get("model_type") == VLM_MODEL_TYPE
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def _vlm_text_config(data: dict[str, Any]) -> dict[str, Any]:
+    """`text_config` with the top level's dtype and special token ids where it lacks its own."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("text_config: required for model_type jet_vlm")
+    text = {"model_type": "jet_nemotron"} | text
+    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):
+        if key not in text and key in data:
+            text[key] = data[key]
+    return text

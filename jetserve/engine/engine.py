@@ -19,6 +19,8 @@ from jetserve.engine.scheduler import Scheduler
 from jetserve.engine.sequence import FinishReason, Sequence
 from jetserve.engine.state_pool import StatePool
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
+from jetserve.model.vision import VisionEncoder
+from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class LLMEngine:
         if tokenizer is None:
             tokenizer = _load_tokenizer_if_present(config.tokenizer or config.model)
         self.model = model
+        self.vision = _load_vision_if_present(config.model, model)  # jet_vlm: SigLIP tower + projector, else None
         self.model_config = model.config
         self.tokenizer = tokenizer
         weight = model.model.embed_tokens.weight
@@ -89,9 +92,14 @@ class LLMEngine:
     # ---- the API ----
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (naming the problem) for one that could never run."""
+        """Queue a request; raises ValueError (naming the problem) for one that could never run. `images` (a VLM's,
+        placeholders already expanded in the prompt) are encoded here, once, however many choices share them."""
         params = sampling_params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -117,7 +125,9 @@ class LLMEngine:
             if limit > vocab:
                 raise ValueError(f"logprobs: {limit} exceeds the vocabulary size {vocab}")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, params.max_tokens or room)
+        if images is not None:
+            self._encode_images(images, num_prompt)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, params.max_tokens or room, images)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         self.scheduler.add(seq)
@@ -167,6 +177,18 @@ class LLMEngine:
             self._requests.pop(seq.request_id, None)
         return processor.make_output(seq)
 
+    def _encode_images(self, images: ImageInputs, num_prompt_tokens: int) -> None:
+        if self.vision is None:
+            raise ValueError("images: this model takes no image input")
+        expected = images.pixel_values.shape[0] * self.vision.tokens_per_tile
+        if images.num_tokens != expected or (images.num_tokens and images.positions[-1] >= num_prompt_tokens):
+            raise ValueError(
+                f"images: {images.num_tokens} placeholder positions for {expected} image embeddings, or a position "
+                f"past the {num_prompt_tokens}-token prompt"
+            )
+        if images.embeds is None:
+            images.embeds = self.vision(images.pixel_values)  # [M, hidden]
+
     # ---- introspection (tests, metrics) ----
 
     def num_free_pages(self) -> int:
@@ -182,6 +204,18 @@ class LLMEngine:
             and self.block_manager.num_free_pages == self.block_manager.num_usable_pages
             and self.state_pool.num_free_slots == self.state_pool.num_usable_slots
         )
+
+
+def _load_vision_if_present(path: str, model: JetNemotronForCausalLM) -> VisionEncoder | None:
+    """The image encoder of a jet_vlm checkpoint at `path` (beside its text model `model`), else None."""
+    from jetserve.config import is_vlm_config
+
+    if not path or not is_vlm_config(path):
+        return None
+    from jetserve.model.loader import load_vision_encoder
+
+    weight = model.model.embed_tokens.weight
+    return load_vision_encoder(path, dtype=weight.dtype, device=weight.device)
 
 
 def _load_tokenizer_if_present(path: str) -> object | None:

@@ -14,6 +14,7 @@ from jetserve.engine.sequence import Sequence, TokenLogprobs
 from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
+from jetserve.multimodal.inputs import spliced_input_embeds
 from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
 
@@ -91,7 +92,11 @@ class ModelRunner:
             hidden = None
         else:
             fb, counters = self.prefill_forward_batch(batch, slots)
-            hidden = self.model(fb)  # [T, hidden]
+            images = [s.images for s in seqs]
+            embedding = self.model.model.embed_tokens
+            input_embeds = spliced_input_embeds(embedding, fb.input_ids, images, batch.start_positions,
+                                                batch.num_new_tokens)  # fmt: skip
+            hidden = self.model(fb, input_embeds)  # [T, hidden]; input_embeds None unless the chunks hold images
             logits = self.model.compute_logits(hidden[fb.cu_seqlens[1:].long() - 1])  # [N, V]
             state_indices = fb.state_indices
         is_all_greedy = self.sampler.is_all_greedy(slots)

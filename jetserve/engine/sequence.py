@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -48,6 +49,7 @@ class Sequence:
         sampling_params: SamplingParams,
         seed: int,
         max_output_tokens: int,
+        images: ImageInputs | None = None,
     ) -> None:
         assert prompt_token_ids, "a sequence needs at least one prompt token"
         assert max_output_tokens >= 1
@@ -58,6 +60,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.seed = seed  # the effective seed (the request's, or one drawn by the engine)
         self.max_output_tokens = max_output_tokens
+        self.images = images  # image embeddings spliced over prompt placeholders at every prefill (recompute too)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.pages: list[int] = []  # physical KV pages of `attn` layers, logical order

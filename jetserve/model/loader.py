@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from jetserve.config import ModelConfig
+from jetserve.config import ModelConfig, VLMConfig, is_vlm_config
 from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
+from jetserve.model.vision import VisionEncoder, projector_checkpoint_shapes, siglip_checkpoint_shapes
 
+LLM_PREFIX = "llm."  # where a jet_vlm checkpoint keeps its text model's tensors
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -56,27 +59,80 @@ def load_model(
     """Build the model from `path/config.json` and fill it from the checkpoint's tensors.
 
     A tensor the model needs but the files lack, or one of the wrong shape, is an error naming it; so is a tensor the
-    model does not use, unless `ignore_unused`.
+    model does not use, unless `ignore_unused`. For a `jet_vlm` checkpoint this is its text model (the tensors under
+    `llm.`); `load_vision_encoder` reads the rest.
     """
     path = Path(path)
     config = ModelConfig.from_hf(path)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         model = JetNemotronForCausalLM(config)
+    if is_vlm_config(path):
+        vlm = VLMConfig.from_hf(path)
+        skipped = set(siglip_checkpoint_shapes(vlm.vision)) | set(
+            projector_checkpoint_shapes(vlm.vision.hidden_size, config.hidden_size)
+        )
+
+        def rename(name: str) -> str | None:
+            return name[len(LLM_PREFIX) :] if name.startswith(LLM_PREFIX) else None if name in skipped else name
+
+    else:
+
+        def rename(name: str) -> str | None:
+            return name
+
+    _fill(model, path, rename, torch_dtype, device, ignore_unused)
+    model.init_rope(device)  # built on the meta device with the model
+    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+
+
+def load_vision_encoder(
+    path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+) -> VisionEncoder:
+    """The SigLIP tower and projector of a `jet_vlm` checkpoint. Tensors the encoder never runs (the tower's last
+    layer, post_layernorm, pooling head) are skipped; the text model's (`llm.`) are left to `load_model`."""
+    path = Path(path)
+    config = VLMConfig.from_hf(path)
+    torch_dtype = resolve_dtype(dtype, config.text)
+    with torch.device("meta"):
+        encoder = VisionEncoder(config.vision, config.text.hidden_size)
+    known = set(siglip_checkpoint_shapes(config.vision))
+
+    def rename(name: str) -> str | None:
+        return None if name.startswith(LLM_PREFIX) or (name in known and name not in expected) else name
+
+    expected = dict(encoder.named_parameters())
+    _fill(encoder, path, rename, torch_dtype, device, ignore_unused=False)
+    return encoder.to(torch_dtype).eval().requires_grad_(False)
+
+
+def _fill(
+    model: torch.nn.Module,
+    path: Path,
+    rename: Callable[[str], str | None],
+    torch_dtype: torch.dtype,
+    device: str | torch.device,
+    ignore_unused: bool,
+) -> None:
+    """Assign `model`'s (meta) parameters from the checkpoint; `rename` maps a checkpoint name to the parameter name,
+    or to None for a tensor that belongs to another part of the checkpoint (not read)."""
     expected = {name: p for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
     unused: list[str] = []
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = rename(stored)
+                if name is None:
+                    continue
                 if name not in expected:
                     # Tied checkpoints sometimes still carry lm_head.weight; it must equal the embedding then.
-                    unused.append(name)
+                    unused.append(stored)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(expected[name].shape):
                     raise CheckpointError(
-                        f"{name}: shape {tuple(tensor.shape)} in {file.name}, expected {tuple(expected[name].shape)}"
+                        f"{stored}: shape {tuple(tensor.shape)} in {file.name}, expected {tuple(expected[name].shape)}"
                     )
                 target = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMETERS else torch_dtype
                 loaded[name] = tensor.to(device=device, dtype=target)
@@ -88,5 +144,3 @@ def load_model(
         shown = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise CheckpointError(f"{path}: tensor(s) the model does not use: {shown} (pass ignore_unused to load anyway)")
     model.load_state_dict(loaded, strict=False, assign=True)
-    model.init_rope(device)  # built on the meta device with the model
-    return cast_model(model, torch_dtype).eval().requires_grad_(False)

@@ -59,6 +59,12 @@ class BlockManager:
         for _ in range(needed):
             seq.pages.append(self._free.pop())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the pages past the first `num_tokens` tokens (after a verify step rejected part of its tree)."""
+        keep = -(-num_tokens // self.page_size)
+        while len(seq.pages) > keep:
+            self._free.append(seq.pages.pop())
+
     def free(self, seq: Sequence) -> None:
         self._free.extend(reversed(seq.pages))
         seq.pages = []

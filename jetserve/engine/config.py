@@ -29,7 +29,11 @@ class EngineConfig:
     num_pages: int | None = None
     num_slots: int | None = None
     cpu_cache_bytes: int = 512 << 20
-    max_draft_tokens: int = 0  # speculative tokens per step (issue 5); sizes the SWA ring
+    draft: str | None = None  # EAGLE-3 draft checkpoint folder: speculative decoding on
+    spec_topk: int | None = None  # children per draft node (default 1: a chain)
+    spec_steps: int | None = None  # draft levels per step (default 3)
+    spec_num_draft_tokens: int | None = None  # tree nodes per verify step, root included (default 1 + topk*steps)
+    spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
 
@@ -47,7 +51,52 @@ class EngineConfig:
             raise ValueError(f"num_pages: must be ≥ 2 (page 0 is reserved), got {self.num_pages}")
         if self.num_slots is not None and self.num_slots < 2:
             raise ValueError(f"num_slots: must be ≥ 2 (slot 0 is reserved), got {self.num_slots}")
-        if self.max_draft_tokens < 0:
-            raise ValueError(f"max_draft_tokens: must be ≥ 0, got {self.max_draft_tokens}")
+        self._check_speculation()
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size: must be ≥ 1, got {self.cuda_graph_max_batch_size}")
+
+    def _check_speculation(self) -> None:
+        spec_fields = ("spec_topk", "spec_steps", "spec_num_draft_tokens")
+        if not self.draft:
+            given = [name for name in spec_fields if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: set without draft (speculative decoding needs a draft checkpoint)")
+            return
+        for name in ("spec_topk", "spec_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be ≥ 1, got {value}")
+        topk, steps = self.speculation
+        largest = max_tree_nodes(topk, steps)
+        n = self.spec_num_draft_tokens
+        if n is not None and not 2 <= n <= largest:
+            raise ValueError(
+                f"spec_num_draft_tokens: {n} must be in [2, {largest}] for spec_topk {topk} and spec_steps {steps} "
+                f"(the root plus at most topk + (steps - 1) * topk^2 drafted candidates)"
+            )
+        if self.num_draft_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"spec_num_draft_tokens: {self.num_draft_tokens} exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), so no verify step could run"
+            )
+
+    @property
+    def speculation(self) -> tuple[int, int]:
+        """(topk, steps) with defaults filled in (meaningful only with a draft)."""
+        return self.spec_topk or 1, self.spec_steps or 3
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tree nodes of the largest verify step, root included (0 without a draft); sizes the SWA ring."""
+        if not self.draft:
+            return 0
+        if self.spec_num_draft_tokens is not None:
+            return self.spec_num_draft_tokens
+        topk, steps = self.speculation
+        return min(max_tree_nodes(topk, steps), 1 + topk * steps)
+
+
+def max_tree_nodes(topk: int, steps: int) -> int:
+    """The most nodes a draft of `steps` levels with `topk` children per node can offer: the root, topk at the first
+    level and topk^2 candidates at each later one (every frontier node's top-k)."""
+    return 1 + topk + (steps - 1) * topk * topk

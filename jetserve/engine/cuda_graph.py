@@ -1,4 +1,6 @@
-"""GraphRunner: CUDA graphs of the decode step (ForwardBatch built on the device, model, logits), one per batch size."""
+"""CUDA graphs, one per batch-size bucket: GraphRunner captures the decode step (ForwardBatch built on the device,
+model, logits, and the draft's target features when speculating); SpecGraphRunner the speculative steps (the draft's
+catch-up after a decode step, drafting, and verify with acceptance, commit and catch-up)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ import torch
 
 if TYPE_CHECKING:
     from jetserve.engine.model_runner import ModelRunner
+    from jetserve.engine.speculative import SpecDecoder
+    from jetserve.spec.tree import DraftTree
+
+# Speculative steps are captured up to this batch size (a verify step's logits are T_d rows per sequence, and the
+# stochastic acceptance keeps a few [N, T_d, V] tensors: at larger batches they run eagerly).
+SPEC_GRAPH_MAX_BATCH = 64
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -35,6 +43,8 @@ class GraphRunner:
         self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
         self.state_indices = torch.zeros(B, dtype=torch.int32, device=device)  # [B]
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
+        hidden = runner.config.hidden_size
+        self.aux = [torch.zeros(B, hidden, dtype=runner.dtype, device=device) for _ in runner.capture_layers]  # [B, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -47,6 +57,8 @@ class GraphRunner:
     def _step(self, B: int) -> None:
         logits = self.runner.decode_logits(self.input_ids[:B], self.positions[:B], self.state_indices[:B])
         self.logits[:B].copy_(logits)
+        for buffer, captured in zip(self.aux, self.runner.model.aux_hidden_states, strict=True):
+            buffer[:B].copy_(captured)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,3 +95,148 @@ class GraphRunner:
             self._pad(N, B)
         self.graphs[B].replay()
         return self.logits[:N]
+
+    def aux_hidden_states(self, num_seqs: int) -> list[torch.Tensor]:
+        """The draft's target features of the last replay's first `num_seqs` rows (one [N, H] per capture layer)."""
+        return [buffer[:num_seqs] for buffer in self.aux]
+
+
+def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:
+    """Warm `step` up twice on a side stream, then capture it into `graphs[graph_key]`; returns the memory pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    graphs[graph_key] = graph
+    return graph.pool() if pool is None else pool
+
+
+class SpecGraphRunner:
+    """Graphs of the speculative steps for buckets up to SPEC_GRAPH_MAX_BATCH, sharing the decode graphs' pool:
+
+    - catch-up `B`: after a (graphed) decode step, the draft takes the sampled tokens with the decode graph's features;
+    - draft `(B, shape)`: the tree of each row into static tree buffers (per shape);
+    - verify `(B, shape, greedy)`: target verify of those trees, acceptance, commit, the draft's catch-up on the
+      accepted tokens, and the [B, T_d + 2] result the host reads.
+
+    Padded rows (slot 0, position 0, token 0) write only slot 0, the draft's page 0 and nothing in the target's K/V.
+    """
+
+    def __init__(self, spec: SpecDecoder, batch_sizes: list[int]) -> None:
+        self.spec = spec
+        runner = spec.runner
+        self.decode_graphs = runner.graph_runner
+        assert self.decode_graphs is not None, "capture the decode graphs first (the catch-up reads their features)"
+        sizes = [b for b in batch_sizes if b <= SPEC_GRAPH_MAX_BATCH]
+        self.batch_sizes = sorted(set(sizes)) or [min(batch_sizes)]
+        self.max_batch_size = self.batch_sizes[-1]
+        device = runner.device
+        B = self.max_batch_size
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: sampled tokens / tree roots
+        self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: new position / cached prefix
+        self.slots = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
+        self.trees: list[DraftTree] = []
+        self.results: list[torch.Tensor] = []
+        for shape in spec.shapes:
+            T = shape.num_draft_tokens
+            self.trees.append(_static_tree(B, T, device))
+            self.results.append(torch.zeros(B, T + 2, dtype=torch.int64, device=device))  # [B, T_d + 2]
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = self.decode_graphs.pool
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_batch_size
+
+    def _bucket(self, num_seqs: int) -> int:
+        return next(b for b in self.batch_sizes if b >= num_seqs)
+
+    # ---- the captured bodies ----
+
+    def _catch_up(self, B: int) -> None:
+        cu = torch.arange(B + 1, device=self.tokens.device)
+        aux = self.decode_graphs.aux_hidden_states(B)
+        self.spec.catch_up(self.tokens[:B], aux, cu, self.positions[:B], self.slots[:B], 1)
+
+    def _draft(self, B: int, shape: int) -> None:
+        tree = self.spec.draft_tree(shape, self.tokens[:B], self.positions[:B], self.slots[:B])
+        static = self.trees[shape]
+        for name in ("tokens", "parents", "depths", "mask", "positions", "scores"):
+            getattr(static, name)[:B].copy_(getattr(tree, name))
+
+    def _verify(self, B: int, shape: int, greedy: bool) -> None:
+        spec, prefix, slots = self.spec, self.positions[:B], self.slots[:B]
+        sampling = None if greedy else spec.sampling_rows(slots, prefix + 1)
+        result = spec.verify(shape, _tree_rows(self.trees[shape], B), prefix, slots, sampling)
+        self.results[shape][:B].copy_(result)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self._pad(0)
+        for B in reversed(self.batch_sizes):
+            self.pool = _capture(("catch-up", B), self.graphs, self.pool, lambda B=B: self._catch_up(B))
+            for shape in range(len(self.spec.shapes)):
+                self.pool = _capture(
+                    ("draft", B, shape), self.graphs, self.pool, lambda B=B, s=shape: self._draft(B, s)
+                )
+                for greedy in (True, False):
+                    step = lambda B=B, s=shape, g=greedy: self._verify(B, s, g)  # noqa: E731
+                    self.pool = _capture(("verify", B, shape, greedy), self.graphs, self.pool, step)
+        torch.cuda.synchronize()
+
+    def _pad(self, start: int, end: int | None = None) -> None:
+        self.tokens[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slots[start:end].zero_()
+
+    def _load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> int:
+        N = tokens.shape[0]
+        B = self._bucket(N)
+        self.tokens[:N].copy_(tokens)
+        self.positions[:N].copy_(positions)
+        self.slots[:N].copy_(slots)
+        if B > N:
+            self._pad(N, B)
+        return B
+
+    # ---- replay ----
+
+    def catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor) -> None:
+        """After a graphed decode step of N rows (its bucket is this one's): tokens, positions, slots [N]."""
+        self.graphs[("catch-up", self._load(tokens, positions, state_indices))].replay()
+
+    def draft(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
+        N = roots.shape[0]
+        B = self._load(roots, prefix, slots)
+        self.graphs[("draft", B, shape)].replay()
+        return _tree_rows(self.trees[shape], N)
+
+    def verify(self, shape: int, prefix: torch.Tensor, slots: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The verify step of the trees `draft` just made (same rows); returns the [N, T_d + 2] result view."""
+        N = prefix.shape[0]
+        self.graphs[("verify", self._bucket(N), shape, greedy)].replay()
+        return self.results[shape][:N]
+
+
+def _static_tree(B: int, T: int, device: torch.device) -> DraftTree:
+    from jetserve.spec.tree import DraftTree
+
+    return DraftTree(
+        tokens=torch.zeros(B, T, dtype=torch.int64, device=device),
+        parents=torch.full((B, T), -1, dtype=torch.int32, device=device),
+        depths=torch.zeros(B, T, dtype=torch.int32, device=device),
+        mask=torch.eye(T, dtype=torch.bool, device=device).expand(B, -1, -1).contiguous(),
+        positions=torch.zeros(B, T, dtype=torch.int64, device=device),
+        scores=torch.zeros(B, T, dtype=torch.float32, device=device),
+    )
+
+
+def _tree_rows(tree: DraftTree, n: int) -> DraftTree:
+    from jetserve.spec.tree import DraftTree
+
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.mask[:n], tree.positions[:n],
+                     tree.scores[:n])  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -12,16 +13,19 @@ import torch
 from jetserve.engine.block_manager import BlockManager
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graph import default_batch_sizes
-from jetserve.engine.memory_plan import MemoryPlan, cache_budget_bytes, plan_memory
+from jetserve.engine.memory_plan import MemoryPlan, cache_budget_bytes, draft_page_bytes_for, plan_memory
 from jetserve.engine.model_runner import ModelRunner, profile_activation_bytes
 from jetserve.engine.output import OutputProcessor, RequestOutput
 from jetserve.engine.scheduler import Scheduler
 from jetserve.engine.sequence import FinishReason, Sequence
+from jetserve.engine.speculative import SpecDecoder, SpecStats, draft_shapes
 from jetserve.engine.state_pool import StatePool
+from jetserve.model.forward_batch import Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.model.vision import VisionEncoder
 from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
+from jetserve.spec.eagle3 import Eagle3DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +43,20 @@ class LLMEngine:
     """The engine API the server drives: `add_request`, `abort_request`, `step`, `has_unfinished_requests`.
 
     Not thread-safe: one caller steps it (the server's engine loop); requests added between steps join the next one.
+
+    With `config.draft`, decoding is speculative (EAGLE-3): `spec` is the SpecDecoder, and `num_draft_tokens`,
+    `num_accepted_tokens`, `num_verify_steps`, `num_drafts` (sequence-rounds) and `spec_stats` count its work.
+    `forced_acceptance` ("right" / "wrong", benchmarks only) replaces every drafted token by the request's known
+    continuation (set in `spec.forced_continuations`) or a token that is never it.
     """
 
     def __init__(
-        self, config: EngineConfig, model: JetNemotronForCausalLM | None = None, tokenizer: object | None = None
+        self,
+        config: EngineConfig,
+        model: JetNemotronForCausalLM | None = None,
+        tokenizer: object | None = None,
+        draft: Eagle3DraftModel | None = None,
+        forced_acceptance: str | None = None,
     ) -> None:
         self.config = config
         if model is None:
@@ -57,18 +71,36 @@ class LLMEngine:
         self.tokenizer = tokenizer
         weight = model.model.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
+        if config.draft and draft is None:
+            from jetserve.spec.eagle3 import load_draft_model
+
+            draft = load_draft_model(config.draft, model)
+        if draft is not None and not config.draft:
+            raise ValueError("draft: a draft model was passed, but config.draft is not set (it sets speculation on)")
+        if forced_acceptance is not None and draft is None:
+            raise ValueError("forced_acceptance: needs speculative decoding (a draft)")
+        self.draft = draft
         self.plan = self._plan(model, device, dtype)
         logger.info("memory plan: %s", self.plan)
         self.state_pool = StatePool.for_model(self.model_config, self.plan.num_slots, dtype, device)
         self.block_manager = BlockManager(self.plan.num_pages, self.plan.page_size, self.plan.ring_tokens)
         eos = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
-        self.scheduler = Scheduler(
-            self.block_manager, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, eos
-        )
         self.runner = ModelRunner(model, self.plan, self.state_pool)
+        self.spec: SpecDecoder | None = None
+        if draft is not None:
+            topk, steps = config.speculation
+            shapes = draft_shapes(topk, steps, config.num_draft_tokens)
+            self.spec = SpecDecoder(self.runner, draft, shapes, config.spec_adaptive, forced_acceptance)
+            self.runner.attach_spec(self.spec)
+        self.scheduler = Scheduler(
+            self.block_manager, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, eos,
+            verify_planner=self.spec, max_model_len=self.plan.max_model_len,
+        )  # fmt: skip
         if device.type == "cuda" and not config.enforce_eager:
             largest = min(config.cuda_graph_max_batch_size or config.max_num_seqs, self.plan.num_slots - 1)
             self.runner.capture_graphs(default_batch_sizes(largest))
+            if self.spec is not None:
+                self.spec.capture_graphs(default_batch_sizes(largest))
         self.output_processor = OutputProcessor(tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
@@ -80,10 +112,17 @@ class LLMEngine:
     def _plan(self, model: JetNemotronForCausalLM, device: torch.device, dtype: torch.dtype) -> MemoryPlan:
         config = self.config
         activation_bytes = 0
+        num_logit_rows = config.max_num_seqs * max(1, config.num_draft_tokens)
         if device.type == "cuda" and (config.num_pages is None or config.num_slots is None):
-            activation_bytes = profile_activation_bytes(model, config.max_num_batched_tokens, config.max_num_seqs)
+            activation_bytes = profile_activation_bytes(
+                model, config.max_num_batched_tokens, config.max_num_seqs, num_logit_rows
+            )
         budget = cache_budget_bytes(config, device, activation_bytes)
-        return plan_memory(self.model_config, config, dtype, budget)
+        draft_page_bytes = 0
+        if self.draft is not None:
+            attn = self.draft.midlayer.self_attn
+            draft_page_bytes = draft_page_bytes_for(attn.num_kv_heads, attn.head_dim, config.page_size, dtype)
+        return plan_memory(self.model_config, config, dtype, budget, draft_page_bytes)
 
     @property
     def max_model_len(self) -> int:
@@ -150,17 +189,25 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token (finished ones included)."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         out = self.runner.run(batch)
-        for i, entries in out.prompt_logprobs.items():
-            batch.seqs[i].prompt_logprobs.extend(entries)
-        if out.logprobs is not None:
-            for seq, sampled, entry in zip(batch.seqs, batch.is_sampling, out.logprobs, strict=True):
-                if sampled and entry is not None:
-                    seq.output_logprobs.append(entry)
-        updated = self.scheduler.postprocess(batch, out.token_ids)
+        if batch.phase is Phase.VERIFY:
+            updated = self.scheduler.postprocess_verify(batch, out.emitted)
+            self.runner.pages_trimmed(batch.seqs)
+        else:
+            for i, entries in out.prompt_logprobs.items():
+                batch.seqs[i].prompt_logprobs.extend(entries)
+            if out.logprobs is not None:
+                for seq, sampled, entry in zip(batch.seqs, batch.is_sampling, out.logprobs, strict=True):
+                    if sampled and entry is not None:
+                        seq.output_logprobs.append(entry)
+            updated = self.scheduler.postprocess(batch, out.token_ids)
+        if self.spec is not None and batch.phase is not Phase.PREFILL:
+            option = batch.draft_shape if batch.phase is Phase.VERIFY else -1
+            self.spec.record_step(option, batch.num_seqs, time.perf_counter() - start)
         return [self._process(seq) for seq in updated]
 
     def _process(self, seq: Sequence) -> RequestOutput:
@@ -190,6 +237,31 @@ class LLMEngine:
             images.embeds = self.vision(images.pixel_values)  # [M, hidden]
 
     # ---- introspection (tests, metrics) ----
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's totals (all zero without a draft)."""
+        return self.spec.stats if self.spec is not None else SpecStats()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafted tokens verified so far (the root of each tree not counted)."""
+        return self.spec_stats.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Drafted tokens accepted so far (bonus tokens not counted)."""
+        return self.spec_stats.num_accepted_tokens
+
+    @property
+    def num_verify_steps(self) -> int:
+        """Engine steps that verified draft trees (each covers every sequence of its batch)."""
+        return self.spec_stats.num_verify_steps
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft trees verified: one per sequence per verify step (vLLM's `num_drafts`; τ = 1 + accepted / this)."""
+        return self.spec_stats.num_drafts
 
     def num_free_pages(self) -> int:
         return self.block_manager.num_free_pages

@@ -23,8 +23,9 @@ class MemoryPlan:
     num_slots: int  # state slots (each with its JetBlock state and its SWA ring)
     ring_tokens: int  # SWA ring per slot, whole pages (0 without `swa` layers)
     max_model_len: int  # tokens one sequence may reach (prompt + output)
-    page_bytes: int
+    page_bytes: int  # K/V of one page in every `attn` layer, plus the draft's layer when speculating
     slot_bytes: int
+    num_draft_tokens: int = 0  # tree nodes of the largest verify step (0: no speculation)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -35,11 +36,12 @@ class MemoryPlan:
         return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
 
 
-def ring_tokens_for(config: ModelConfig, page_size: int, max_draft_tokens: int, max_model_len: int) -> int:
-    """An SWA ring holds the window plus the draft tokens of one step, rounded up to whole pages."""
+def ring_tokens_for(config: ModelConfig, page_size: int, num_draft_tokens: int, max_model_len: int) -> int:
+    """An SWA ring holds the window plus the tree of one verify step (rejected nodes stay stored until overwritten, so
+    it needs window + T_d - 1; window + T_d is kept), rounded up to whole pages."""
     if config.swa_window_size is None or "swa" not in config.layer_types:
         return 0
-    tokens = min(config.swa_window_size + max_draft_tokens, max_model_len)
+    tokens = min(config.swa_window_size + num_draft_tokens, max_model_len)
     return -(-tokens // page_size) * page_size
 
 
@@ -59,11 +61,21 @@ def slot_bytes_for(config: ModelConfig, ring_tokens: int, dtype: torch.dtype) ->
     return jet + swa
 
 
+def draft_page_bytes_for(num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+    """K and V of one page of the EAGLE-3 draft's one layer (its positions use the target's `attn` pages)."""
+    return 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
 def plan_memory(
-    model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, cache_budget_bytes: int
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    dtype: torch.dtype,
+    cache_budget_bytes: int,
+    draft_page_bytes: int = 0,
 ) -> MemoryPlan:
     """Split `cache_budget_bytes` between state slots (up to `max_num_seqs`, at most half the budget) and pages,
-    unless `num_pages` / `num_slots` are given. Raises ValueError when one full-length sequence does not fit."""
+    unless `num_pages` / `num_slots` are given. `draft_page_bytes` (speculation: the draft's K/V per page) rides on
+    every page. Raises ValueError when one full-length sequence does not fit."""
     ec = engine_config
     page_size = ec.page_size
     user_len = ec.max_model_len
@@ -73,8 +85,9 @@ def plan_memory(
             f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
             f"({model_config.max_position_embeddings})"
         )
-    ring_tokens = ring_tokens_for(model_config, page_size, ec.max_draft_tokens, max_model_len)
-    page_bytes = page_bytes_for(model_config, page_size, dtype)
+    num_draft_tokens = ec.num_draft_tokens
+    ring_tokens = ring_tokens_for(model_config, page_size, num_draft_tokens, max_model_len)
+    page_bytes = page_bytes_for(model_config, page_size, dtype) + draft_page_bytes
     slot_bytes = slot_bytes_for(model_config, ring_tokens, dtype)
 
     num_slots = ec.num_slots
@@ -102,7 +115,9 @@ def plan_memory(
         if max_model_len < 2:
             raise ValueError("gpu_memory_utilization: no room for a KV page after the state slots")
         ring_tokens = min(ring_tokens, -(-max_model_len // page_size) * page_size)
-    return MemoryPlan(page_size, num_pages, num_slots, ring_tokens, max_model_len, page_bytes, slot_bytes)
+    return MemoryPlan(
+        page_size, num_pages, num_slots, ring_tokens, max_model_len, page_bytes, slot_bytes, num_draft_tokens
+    )
 
 
 def cache_budget_bytes(engine_config: EngineConfig, device: torch.device, activation_bytes: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.multimodal.inputs import spliced_input_embeds
 from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
+if TYPE_CHECKING:
+    from jetserve.engine.speculative import SpecDecoder
+
 
 @dataclass
 class StepOutput:
@@ -25,6 +29,7 @@ class StepOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # per sequence, where the request asked for them
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # batch row → new prompt positions
+    emitted: list[list[int]] | None = None  # VERIFY: per sequence, its accepted drafts then its bonus token
 
 
 class ModelRunner:
@@ -33,6 +38,9 @@ class ModelRunner:
     The host work of a step is building index lists once (token ids, positions, per-sequence offsets and slots)
     and one copy to the device; everything derived from them (K/V slot mapping, block tables, sampling rows) is
     computed on the device from tables indexed by state slot. The one synchronisation is reading the sampled tokens.
+
+    With a SpecDecoder attached (`attach_spec`), PREFILL and DECODE steps also capture the draft's target features
+    and catch the draft up on the positions they cached, and VERIFY steps run through the SpecDecoder.
     """
 
     def __init__(self, model: JetNemotronForCausalLM, plan: MemoryPlan, state_pool: StatePool) -> None:
@@ -66,6 +74,14 @@ class ModelRunner:
         self._ring_offsets = torch.arange(ring_pages, dtype=torch.int64, device=self.device)  # [R]
         self._is_pinned = self.device.type == "cuda"
         self.graph_runner = None  # a GraphRunner once `capture_graphs` ran
+        self.spec: SpecDecoder | None = None
+        self.capture_layers: tuple[int, ...] = ()  # target layers whose inputs the draft reads (with a SpecDecoder)
+
+    def attach_spec(self, spec: SpecDecoder) -> None:
+        """Turn speculative decoding on (before `capture_graphs`)."""
+        assert self.graph_runner is None, "attach the SpecDecoder before capturing graphs"
+        self.spec = spec
+        self.capture_layers = spec.capture_layers
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -78,13 +94,18 @@ class ModelRunner:
         slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))  # [N]
         self._claim_slots(seqs, slots)
         self.sampler.sync()
+        if batch.phase is Phase.VERIFY:
+            assert self.spec is not None, "a VERIFY batch needs a SpecDecoder"
+            emitted = self.spec.run_verify(seqs, slots, batch.draft_shape, self.sampler.is_all_greedy(slots))
+            return StepOutput([tokens[-1] for tokens in emitted], emitted=emitted)
         if batch.phase is Phase.DECODE:
             host = np.empty((3, len(seqs)), dtype=np.int64)
             host[0] = [s.token_ids[-1] for s in seqs]
             host[1] = [s.num_computed_tokens for s in seqs]
             host[2] = slots
-            input_ids, positions, state_indices = self._upload(host)
-            if self.graph_runner is not None and self.graph_runner.fits(len(seqs)):
+            input_ids, positions, state_indices = self.upload(host)
+            is_graphed = self.graph_runner is not None and self.graph_runner.fits(len(seqs))
+            if is_graphed:
                 logits = self.graph_runner.run(input_ids, positions, state_indices)  # [N, V]
             else:
                 logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
@@ -101,12 +122,55 @@ class ModelRunner:
             state_indices = fb.state_indices
         is_all_greedy = self.sampler.is_all_greedy(slots)
         tokens = self.sampler(logits, state_indices, counters, is_all_greedy)  # [N]
+        if self.spec is not None:
+            if batch.phase is Phase.DECODE:
+                self._catch_up_decode(tokens, positions, state_indices, is_graphed)
+            else:
+                self._catch_up_prefill(batch, fb, tokens)
         out = StepOutput(tokens.tolist())
         if any(s.sampling_params.logprobs is not None for s in seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
         if hidden is not None and any(s.wants_prompt_logprobs for s in seqs):
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         return out
+
+    def _catch_up_decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor, is_graphed: bool
+    ) -> None:
+        """The draft takes position n of each decoding sequence: (the token just sampled, the feature at n)."""
+        spec = self.spec
+        if is_graphed and spec.graphs is not None:
+            spec.graphs.catch_up(tokens, positions, state_indices)
+            return
+        num_seqs = tokens.shape[0]
+        cu = torch.arange(num_seqs + 1, device=self.device)
+        aux = self.graph_runner.aux_hidden_states(num_seqs) if is_graphed else self.model.aux_hidden_states
+        spec.catch_up(tokens, aux, cu, positions, state_indices.long(), 1)
+
+    def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor) -> None:
+        """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by
+        one, then token e — the one just sampled where the chunk ends its sequence, else the next prompt token."""
+        follow = [
+            0 if sampled else seq.token_ids[start + n]
+            for seq, start, n, sampled in zip(
+                batch.seqs, batch.start_positions, batch.num_new_tokens, batch.is_sampling, strict=True
+            )
+        ]
+        sampled = torch.tensor(batch.is_sampling, device=self.device)
+        last = torch.where(sampled, tokens, torch.tensor(follow, device=self.device))  # [N]
+        ends = fb.cu_seqlens[1:].long() - 1  # [N]
+        next_ids = torch.roll(fb.input_ids, -1)  # [T]
+        next_ids[ends] = last
+        starts = fb.positions[fb.cu_seqlens[:-1].long()]  # [N]
+        self.spec.catch_up(
+            next_ids, self.model.aux_hidden_states, fb.cu_seqlens, starts, fb.state_indices.long(), fb.max_seqlen_q
+        )
+
+    def pages_trimmed(self, seqs: list[Sequence]) -> None:
+        """After a verify step gave pages back (BlockManager.trim): later pages of these slots must be re-synced."""
+        for seq in seqs:
+            if seq.slot > 0 and self._slot_owner[seq.slot] == seq.seq_id:
+                self._slot_synced_pages[seq.slot] = min(self._slot_synced_pages[seq.slot], len(seq.pages))
 
     def _claim_slots(self, seqs: list[Sequence], slots: np.ndarray) -> None:
         """Bring the slot-indexed tables up to date: sampling parameters of newly placed sequences, new pages."""
@@ -116,6 +180,8 @@ class ModelRunner:
                 self._slot_owner[slot] = seq.seq_id
                 self._slot_synced_pages[slot] = 0
                 self.sampler.set_slot(slot, seq.sampling_params, seq.seed)
+                if self.spec is not None:
+                    self.spec.on_claim(seq, slot)
             synced = self._slot_synced_pages[slot]
             if len(seq.pages) > synced:
                 new = seq.pages[synced:]
@@ -128,7 +194,7 @@ class ModelRunner:
             values = torch.tensor(pages, dtype=torch.int32).to(self.device, non_blocking=True)
             self.block_table[index[0], index[1]] = values
 
-    def _upload(self, rows: np.ndarray) -> list[torch.Tensor]:
+    def upload(self, rows: np.ndarray) -> list[torch.Tensor]:
         """Copy a [C, n] int64 host array to the device at once; returns its C rows."""
         host = torch.from_numpy(rows)  # [C, n]
         if self._is_pinned:
@@ -156,7 +222,7 @@ class ModelRunner:
         host[4, :num_seqs] = context
         host[5, :num_seqs] = slots
         host[6, :num_seqs] = starts
-        dev = self._upload(host)
+        dev = self.upload(host)
         input_ids, positions_d, owner_d = (t[:num_tokens] for t in dev[:3])
         cu_d, context_d, slots_d, starts_d = dev[3][: num_seqs + 1], *(t[:num_seqs] for t in dev[4:])
         rows = slots_d[owner_d]  # [T]: state slot of each token
@@ -173,6 +239,7 @@ class ModelRunner:
             max_seqlen_q=int(lens.max()),
             kv=kv,
             swa_kv=swa_kv,
+            capture_layers=self.capture_layers,
         )
         return fb, context_d
 
@@ -196,12 +263,19 @@ class ModelRunner:
             max_seqlen_q=1,
             kv=kv,
             swa_kv=swa_kv,
+            capture_layers=self.capture_layers,
         )
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor):
         """[B] inputs → logits [B, V] fp32 (what a decode CUDA graph captures)."""
         hidden = self.model(self.decode_forward_batch(input_ids, positions, state_indices))  # [B, hidden]
         return self.model.compute_logits(hidden)
+
+    def verify_kv_metadata(
+        self, stored: torch.Tensor, rows: torch.Tensor, seq_ends: torch.Tensor, state_indices: torch.Tensor
+    ) -> tuple[KVMetadata | None, KVMetadata | None]:
+        """The Verifier's KVMetadataFn: metadata of a VERIFY batch (every block-table column, graph-capturable)."""
+        return self._kv_metadata(stored, rows.long(), seq_ends, state_indices, self.plan.max_pages_per_seq)
 
     def _kv_metadata(
         self,
@@ -285,9 +359,12 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def profile_activation_bytes(model: JetNemotronForCausalLM, max_num_tokens: int, max_num_seqs: int) -> int:
-    """Peak device memory of the largest step (a `max_num_tokens` prefill, logits and sampling for `max_num_seqs`
-    rows) above what is allocated now, measured with one-page/one-slot dummy caches that every row pads into."""
+def profile_activation_bytes(
+    model: JetNemotronForCausalLM, max_num_tokens: int, max_num_seqs: int, num_logit_rows: int | None = None
+) -> int:
+    """Peak device memory of the largest step (a `max_num_tokens` prefill, logits and sampling for `num_logit_rows`
+    rows — default `max_num_seqs`; a verify step has T_d per sequence) above what is allocated now, measured with
+    one-page/one-slot dummy caches that every row pads into."""
     config = model.config
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
@@ -320,9 +397,10 @@ def profile_activation_bytes(model: JetNemotronForCausalLM, max_num_tokens: int,
         ),
     )
     hidden = model(fb)
-    logits = model.compute_logits(hidden[:1].expand(max_num_seqs, -1))  # [max_num_seqs, V]
-    runner.sampler(logits, torch.zeros(max_num_seqs, dtype=torch.int32, device=device),
-                   torch.zeros(max_num_seqs, dtype=torch.int64, device=device), is_all_greedy=False)  # fmt: skip
+    rows = num_logit_rows or max_num_seqs
+    logits = model.compute_logits(hidden[:1].expand(rows, -1))  # [rows, V]
+    runner.sampler(logits, torch.zeros(rows, dtype=torch.int32, device=device),
+                   torch.zeros(rows, dtype=torch.int64, device=device), is_all_greedy=False)  # fmt: skip
     del hidden, logits, fb, runner, pool
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before

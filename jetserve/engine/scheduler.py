@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from jetserve.engine.block_manager import BlockManager
 from jetserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -18,7 +19,9 @@ class Batch:
     Sequence i computes tokens `[start_positions[i], start_positions[i] + num_new_tokens[i])`; when that reaches
     its last token (`is_sampling[i]`), the step samples its next token. DECODE: every sequence brings its one last
     token onto a cache that holds the rest; PREFILL: anything else (prompt chunks, recomputation, and decode rows
-    riding along as one-token chunks). VERIFY is speculative decoding's (issue 5).
+    riding along as one-token chunks). VERIFY: like DECODE, but each sequence's last token is the root of a draft
+    tree of `num_draft_tokens` nodes (draft shape `draft_shape` of the speculative decoder), whose pages are
+    reserved; the step may add several tokens per sequence.
     """
 
     phase: Phase
@@ -26,6 +29,8 @@ class Batch:
     num_new_tokens: list[int]
     start_positions: list[int] = field(default_factory=list)
     is_sampling: list[bool] = field(default_factory=list)
+    num_draft_tokens: int = 0  # VERIFY: tree nodes per sequence (T_d), root included
+    draft_shape: int = -1  # VERIFY: which of the speculative decoder's draft shapes
 
     def __post_init__(self) -> None:
         assert len(self.seqs) == len(self.num_new_tokens) and self.seqs
@@ -42,6 +47,14 @@ class Batch:
         return sum(self.num_new_tokens)
 
 
+class VerifyPlanner(Protocol):
+    """What the scheduler asks the speculative decoder (engine/speculative.py) when a step would decode."""
+
+    def verify_options(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """(draft shape, T_d) pairs to try for a VERIFY step of `seqs`, preferred first; empty for plain DECODE."""
+        ...
+
+
 class Scheduler:
     """Owns the waiting queue and the running set, and hands out pages (BlockManager) and state slots (StatePool).
 
@@ -50,6 +63,10 @@ class Scheduler:
     arrival order while a slot and pages are free. When a running sequence cannot get pages, the newest running
     sequence is preempted — its pages and slot freed, its tokens kept — and waits at the front of the queue to be
     recomputed; the oldest sequence therefore always progresses, and nothing is lost.
+
+    With a `verify_planner` (speculative decoding), a step where every sequence decodes becomes a VERIFY step when
+    the planner offers a draft shape whose tree fits: T_d tokens of budget per sequence, the context length, and
+    free pages (speculation never preempts anyone; without room the step decodes plainly).
     """
 
     def __init__(
@@ -59,6 +76,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: tuple[int, ...] = (),
+        verify_planner: VerifyPlanner | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.state_pool = state_pool
@@ -68,6 +87,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.verify_planner = verify_planner
+        self.max_model_len = max_model_len or block_manager.max_tokens_per_seq
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0
@@ -122,7 +143,28 @@ class Scheduler:
         if not seqs:
             return None
         is_decode = all(s.is_decoding for s in seqs)
+        if is_decode and self.verify_planner is not None:
+            verify = self._plan_verify(seqs)
+            if verify is not None:
+                return verify
         return Batch(Phase.DECODE if is_decode else Phase.PREFILL, seqs, counts)
+
+    def _plan_verify(self, seqs: list[Sequence]) -> Batch | None:
+        """A VERIFY batch of `seqs` (each already holding the page of its root) with the first draft shape whose
+        tree fits the token budget, the context and the free pages; None to decode plainly."""
+        assert self.verify_planner is not None
+        # A tree stores nodes at positions [n, n + T_d): they must stay inside the context.
+        room = min(self.max_model_len - s.num_computed_tokens for s in seqs)
+        for shape, num_nodes in self.verify_planner.verify_options(seqs):
+            if num_nodes < 2 or num_nodes > room or num_nodes * len(seqs) > self.max_num_batched_tokens:
+                continue
+            needed = sum(self.block_manager.pages_needed(s, num_nodes) for s in seqs)
+            if needed > self.block_manager.num_free_pages:
+                continue
+            for seq in seqs:
+                self.block_manager.append(seq, num_nodes)
+            return Batch(Phase.VERIFY, seqs, [1] * len(seqs), num_draft_tokens=num_nodes, draft_shape=shape)
+        return None
 
     def postprocess(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
         """Advance every sequence of `batch` and append the sampled token where it sampled (`token_ids[i]`, one per
@@ -145,6 +187,31 @@ class Scheduler:
             elif seq.num_output_tokens >= seq.max_output_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return updated
+
+    def postprocess_verify(self, batch: Batch, emitted: list[list[int]]) -> list[Sequence]:
+        """Advance every sequence of a VERIFY `batch` by the tokens it accepted: `emitted[i]` is sequence i's
+        accepted drafts then its bonus token (≥ 1 token). The root and the accepted drafts are now cached; the pages
+        of rejected nodes go back. Tokens are appended one by one with the stop checks of `postprocess`, so a stop
+        token or the length limit inside the accepted path cuts it there. Returns the sequences (all got tokens)."""
+        assert batch.phase is Phase.VERIFY and len(emitted) == batch.num_seqs
+        for seq, tokens in zip(batch.seqs, emitted, strict=True):
+            assert seq.status == SequenceStatus.RUNNING and seq.is_decoding, f"{seq} is not decoding"
+            assert tokens, f"{seq}: a verify step emits at least the bonus token"
+            # The root plus the accepted drafts (all but the bonus) are in the caches now.
+            seq.num_computed_tokens += len(tokens)
+            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+            params = seq.sampling_params
+            for token in tokens:
+                seq.token_ids.append(token)
+                if token in params.stop_token_ids:
+                    self.finish(seq, FinishReason.STOP, token)
+                elif not params.ignore_eos and token in self.eos_token_ids:
+                    self.finish(seq, FinishReason.STOP)
+                elif seq.num_output_tokens >= seq.max_output_tokens:
+                    self.finish(seq, FinishReason.LENGTH)
+                if seq.is_finished:
+                    break
+        return list(batch.seqs)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """End `seq` now, freeing its pages and slot (whether it is running or waiting)."""

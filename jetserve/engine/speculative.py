@@ -1,0 +1,368 @@
+"""SpecDecoder: EAGLE-3 speculative decoding inside the engine — the draft's K/V pages and per-slot hidden state, its
+catch-up after prefill and decode steps, the VERIFY step (draft tree → target verify → commit → catch-up), the
+adaptive choice of tree size per step, and the counters the server and the benchmark read."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from jetserve.engine.config import max_tree_nodes
+from jetserve.engine.sequence import Sequence
+from jetserve.spec.drafter import Drafter, DraftKV
+from jetserve.spec.eagle3 import Eagle3DraftModel
+from jetserve.spec.tree import DraftTree
+from jetserve.spec.verifier import SamplingRows, Verifier
+
+if TYPE_CHECKING:
+    from jetserve.engine.model_runner import ModelRunner
+
+FORCED_MODES = ("right", "wrong")
+# Step-time and acceptance estimates are exponential moving averages with these weights for the newest sample.
+TIME_EMA = 0.2
+ACCEPT_EMA = 0.05
+# Every this many steps of one batch-size bucket, the least recently measured option is tried again.
+EXPLORE_EVERY = 64
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    topk: int
+    num_steps: int
+    num_draft_tokens: int  # T_d: tree nodes verified per sequence, root included
+
+    @property
+    def max_depth(self) -> int:
+        return min(self.num_steps, self.num_draft_tokens - 1)
+
+
+def draft_shapes(topk: int, num_steps: int, num_draft_tokens: int) -> list[DraftShape]:
+    """The configured shape, then one about half its size when that is smaller (largest first): what the adaptive
+    policy chooses among, beside plain decoding."""
+    shapes = [DraftShape(topk, num_steps, num_draft_tokens)]
+    half_steps = max(1, num_steps // 2)
+    half_nodes = min(max_tree_nodes(topk, half_steps), max(2, (num_draft_tokens + 1) // 2))
+    if half_nodes < num_draft_tokens:
+        shapes.append(DraftShape(topk, min(half_steps, half_nodes - 1), half_nodes))
+    return shapes
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """Power-of-two bucket of a batch size (the adaptive policy's step times are kept per bucket)."""
+    return 1 << (num_seqs - 1).bit_length()
+
+
+class AdaptivePolicy:
+    """Per step, which draft shape to verify (or none) for a batch of N decoding sequences.
+
+    Cost model: option c (a draft shape, or plain decoding) yields τ_c tokens per sequence per step — 1 for plain
+    decoding, 1 + the measured mean of accepted drafts for a shape — and takes t_c(b) seconds per step at batch
+    bucket b (the measured wall time of whole engine steps). The policy picks the largest τ_c / t_c(b). Every option
+    is tried once per bucket before it is judged, and every `EXPLORE_EVERY` steps of a bucket the least recently
+    measured option runs again, so the estimates follow changes in acceptance and load. Plain decoding is always an
+    option, so (up to the exploration steps and the draft's catch-up) speculation never makes decoding slower.
+    Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as room allows).
+    """
+
+    def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
+        self.shapes = shapes
+        self.adaptive = adaptive
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (option, bucket) → EMA seconds; option -1 = plain
+        self.last_used: dict[tuple[int, int], int] = {}
+        self.bucket_steps: dict[int, int] = {}
+        self.mean_accepted: list[float | None] = [None] * len(shapes)  # EMA of accepted drafts per sequence-round
+        self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
+
+    def tokens_per_step(self, option: int) -> float:
+        if option < 0:
+            return 1.0
+        accepted = self.mean_accepted[option]
+        return 1.0 + (self.shapes[option].max_depth if accepted is None else accepted)
+
+    def choose(self, num_seqs: int) -> int:
+        """The option for this step: a shape index, or -1 for plain decoding."""
+        if self.forced_option is not None:
+            return self.forced_option
+        if not self.adaptive:
+            return 0
+        bucket = batch_bucket(num_seqs)
+        step = self.bucket_steps.get(bucket, 0)
+        self.bucket_steps[bucket] = step + 1
+        options = [*range(len(self.shapes)), -1]
+        unmeasured = [c for c in options if (c, bucket) not in self.step_seconds]
+        if unmeasured:
+            return unmeasured[0]
+        if step % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            return min(options, key=lambda c: self.last_used.get((c, bucket), -1))
+        return max(options, key=lambda c: self.tokens_per_step(c) / self.step_seconds[(c, bucket)])
+
+    def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
+        key = (option, batch_bucket(num_seqs))
+        old = self.step_seconds.get(key)
+        self.step_seconds[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+        self.last_used[key] = self.bucket_steps.get(key[1], 0)
+
+    def record_acceptance(self, option: int, accepted_drafts: list[int]) -> None:
+        mean = sum(accepted_drafts) / len(accepted_drafts)
+        old = self.mean_accepted[option]
+        self.mean_accepted[option] = mean if old is None else (1 - ACCEPT_EMA) * old + ACCEPT_EMA * mean
+
+
+@dataclass
+class SpecStats:
+    """Totals since the engine started. A draft is one sequence's tree in one verify step (vLLM's `num_drafts`)."""
+
+    num_verify_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0  # drafted nodes verified (T_d - 1 per draft)
+    num_accepted_tokens: int = 0  # drafted nodes accepted
+    drafted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts whose tree reached depth d
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts with ≥ d accepted nodes
+    draft_seconds: float = 0.0  # drafting the trees
+    verify_seconds: float = 0.0  # target verify, acceptance, commit, and the draft's catch-up on accepted tokens
+
+    def add(self, num_nodes: int, accepted_drafts: list[int], depths: list[int]) -> None:
+        self.num_verify_steps += 1
+        self.num_drafts += len(accepted_drafts)
+        self.num_draft_tokens += (num_nodes - 1) * len(accepted_drafts)
+        self.num_accepted_tokens += sum(accepted_drafts)
+        deepest = max(depths)
+        if len(self.drafted_at_depth) < deepest:
+            grow = deepest - len(self.drafted_at_depth)
+            self.drafted_at_depth += [0] * grow
+            self.accepted_at_depth += [0] * grow
+        for accepted, depth in zip(accepted_drafts, depths, strict=True):
+            for d in range(depth):
+                self.drafted_at_depth[d] += 1
+            for d in range(accepted):
+                self.accepted_at_depth[d] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: tokens per sequence per verify step (accepted drafts + the bonus); 0 before the first step."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate_per_depth(self) -> list[float]:
+        """[d - 1]: of the drafts whose tree reached depth d, the share that accepted ≥ d nodes."""
+        return [a / n if n else 0.0 for a, n in zip(self.accepted_at_depth, self.drafted_at_depth, strict=True)]
+
+    def as_dict(self) -> dict:
+        steps = max(self.num_verify_steps, 1)
+        return {
+            "num_verify_steps": self.num_verify_steps,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate_per_depth": [round(r, 4) for r in self.acceptance_rate_per_depth],
+            "draft_ms_per_step": round(1e3 * self.draft_seconds / steps, 4),
+            "verify_ms_per_step": round(1e3 * self.verify_seconds / steps, 4),
+        }
+
+
+class _PhaseTimer:
+    """Seconds between marks: CUDA events on a GPU (read after the step's one synchronisation), else the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Durations between consecutive marks (call after the device finished them)."""
+        if self.is_cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]
+        return [b - a for a, b in itertools.pairwise(self.marks)]
+
+
+# (the drafted tree, the sequences' slots [N] int64) → the tree to verify (tests and forced-acceptance runs).
+TreeOverride = Callable[[DraftTree, torch.Tensor], DraftTree]
+
+
+class SpecDecoder:
+    """Owned by the ModelRunner. The draft's K/V lives in two `[num_pages, page_size, HK, Dh]` tensors that share the
+    target's `attn` block table (draft position t uses the page of target position t); `last_hidden` `[S, H]` holds,
+    per state slot, the draft output at the sequence's last cached position: what the next tree grows from.
+
+    Draft position t holds (token t + 1, target feature at t). After every target step the draft catches up on the
+    positions that step cached: `catch_up` after PREFILL (chunk [s, e) gives tokens [s + 1, e + 1), the last one the
+    token just sampled where the chunk ends the sequence) and DECODE steps, `extend_after_verify` inside VERIFY.
+    A preempted sequence recomputes through prefill, so its draft cache is rebuilt the same way.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        draft: Eagle3DraftModel,
+        shapes: list[DraftShape],
+        adaptive: bool = True,
+        forced: str | None = None,
+    ) -> None:
+        if forced is not None and forced not in FORCED_MODES:
+            raise ValueError(f"forced acceptance: {forced!r} is not one of {', '.join(FORCED_MODES)}")
+        self.runner = runner
+        self.draft = draft
+        self.shapes = shapes
+        self.drafters = [Drafter(draft, s.topk, s.num_steps, s.num_draft_tokens) for s in shapes]
+        self.verifier = Verifier(runner.model, draft.capture_layers)
+        self.capture_layers = draft.capture_layers
+        plan, device = runner.plan, runner.device
+        attn = draft.midlayer.self_attn
+        dtype = draft.fc.weight.dtype
+        shape = (plan.num_pages, plan.page_size, attn.num_kv_heads, attn.head_dim)  # [num_pages, page_size, HK, Dh]
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        draft.bind_cache(self.k_cache, self.v_cache)
+        self.last_hidden = torch.zeros(plan.num_slots, draft.config.hidden_size, dtype=dtype, device=device)  # [S, H]
+        self.policy = AdaptivePolicy(shapes, adaptive)
+        self.stats = SpecStats()
+        self.tree_override: TreeOverride | None = None
+        # Forced acceptance (benchmarks): every node's token is the sequence's known continuation ("right") or that
+        # token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
+        self.forced = forced
+        self.forced_continuations: dict[str, list[int]] = {}  # request_id → prompt + its greedy continuation
+        num_forced = plan.max_model_len + max(s.num_draft_tokens for s in shapes) if forced else 1
+        self.forced_tokens = torch.zeros(plan.num_slots, num_forced, dtype=torch.int64, device=device)  # [S, L]
+        self.graphs = None  # a SpecGraphRunner once `capture_graphs` ran
+
+    # ---- bookkeeping ----
+
+    def on_claim(self, seq: Sequence, slot: int) -> None:
+        """A sequence took `slot`: load its forced continuation (forced-acceptance runs)."""
+        if self.forced is None:
+            return
+        tokens = self.forced_continuations.get(seq.request_id)
+        if tokens is None:
+            raise ValueError(f"forced acceptance: no continuation given for request {seq.request_id!r}")
+        row = torch.tensor(tokens[: self.forced_tokens.shape[1]], dtype=torch.int64)
+        self.forced_tokens[slot].zero_()
+        self.forced_tokens[slot, : row.shape[0]].copy_(row.to(self.forced_tokens.device))
+
+    def verify_options(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """VerifyPlanner: the chosen shape then the smaller ones; none when a request wants log-probs (their
+        per-token log-probs come from the plain path) or the policy prefers plain decoding."""
+        if any(s.sampling_params.logprobs is not None for s in seqs):
+            return []
+        option = self.policy.choose(len(seqs))
+        if option < 0:
+            return []
+        return [(i, self.shapes[i].num_draft_tokens) for i in range(option, len(self.shapes))]
+
+    def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
+        self.policy.record_step(option, num_seqs, seconds)
+
+    # ---- draft catch-up after target steps ----
+
+    def catch_up(
+        self,
+        next_ids: torch.Tensor,  # [T] int64: token t + 1 for each new position t
+        aux_hidden_states: list[torch.Tensor],  # the target's features at those positions, one [T, H_t] per layer
+        cu_seqlens: torch.Tensor,  # [N+1]
+        starts: torch.Tensor,  # [N] int64: first new position of each sequence
+        slots: torch.Tensor,  # [N] int64
+        max_seqlen_q: int,
+    ) -> None:
+        kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
+        hidden = self.drafters[0].extend(next_ids, aux_hidden_states, cu_seqlens, starts, kv, max_seqlen_q)  # [N, H]
+        self.last_hidden[slots] = hidden
+
+    # ---- the VERIFY step ----
+
+    def draft_tree(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
+        """Draft each sequence's tree: roots [N] (its last token), prefix [N] int64 (its cached tokens = the root's
+        position), slots [N] int64 (0 for padded rows)."""
+        kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
+        tree = self.drafters[shape].draft_tree(self.last_hidden[slots], roots, prefix, kv)
+        if self.forced is not None:
+            table = self.forced_tokens
+            right = table[slots[:, None], tree.positions.clamp(max=table.shape[1] - 1)]  # [N, T_d]
+            if self.forced == "wrong":
+                right = (right + 1) % self.runner.config.vocab_size
+            tokens = torch.cat([tree.tokens[:, :1], right[:, 1:]], dim=1)
+            tree = DraftTree(tokens, tree.parents, tree.depths, tree.mask, tree.positions, tree.scores)
+        return tree
+
+    def verify(
+        self,
+        shape: int,
+        tree: DraftTree,
+        prefix: torch.Tensor,
+        slots: torch.Tensor,
+        sampling: SamplingRows | None,
+    ) -> torch.Tensor:
+        """Verify `tree` with the target, commit the accepted paths, catch the draft up on them. Returns [N, T_d + 2]
+        int64: the emitted tokens (accepted drafts then the bonus, -1 after), the accepted node count (root
+        included) and the tree's depth, per sequence — read with one host transfer."""
+        fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata)
+        out = self.verifier.verify(fb, tree, sampling)
+        kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
+        hidden = self.drafters[shape].extend_after_verify(
+            tree, out.accepted_nodes, out.num_accepted, out.bonus, out.aux_hidden_states, kv
+        )  # [N, H]
+        self.last_hidden[slots] = hidden
+        depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]
+        return torch.cat([out.emitted_tokens(tree), out.num_accepted.long()[:, None], depth], dim=1)
+
+    def sampling_rows(self, slots: torch.Tensor, counters: torch.Tensor) -> SamplingRows:
+        p = self.runner.sampler.params
+        return SamplingRows(
+            temperature=p["temperature"][slots], top_k=p["top_k"][slots], top_p=p["top_p"][slots],
+            min_p=p["min_p"][slots], seeds=p["seeds"][slots], counters=counters,
+        )  # fmt: skip
+
+    def run_verify(
+        self, seqs: list[Sequence], slots_host: np.ndarray, shape: int, is_all_greedy: bool
+    ) -> list[list[int]]:
+        """One VERIFY step for `seqs` (their pages for the tree reserved). Returns each sequence's emitted tokens."""
+        host = np.empty((3, len(seqs)), dtype=np.int64)
+        host[0] = [s.token_ids[-1] for s in seqs]
+        host[1] = [s.num_computed_tokens for s in seqs]
+        host[2] = slots_host
+        roots, prefix, slots = self.runner.upload(host)
+        timer = _PhaseTimer(self.runner.device)
+        use_graphs = self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs))
+        timer.mark()
+        if use_graphs:
+            tree = self.graphs.draft(shape, roots, prefix, slots)
+        else:
+            tree = self.draft_tree(shape, roots, prefix, slots)
+            if self.tree_override is not None:
+                tree = self.tree_override(tree, slots)
+        timer.mark()
+        if use_graphs:
+            result = self.graphs.verify(shape, prefix, slots, is_all_greedy)
+        else:
+            sampling = None if is_all_greedy else self.sampling_rows(slots, prefix + 1)
+            result = self.verify(shape, tree, prefix, slots, sampling)
+        timer.mark()
+        rows = result.tolist()  # the step's one synchronisation
+        draft_s, verify_s = timer.seconds()
+        num_nodes = self.shapes[shape].num_draft_tokens
+        emitted = [row[: row[num_nodes]] for row in rows]
+        accepted_drafts = [row[num_nodes] - 1 for row in rows]
+        self.stats.add(num_nodes, accepted_drafts, [row[num_nodes + 1] for row in rows])
+        self.stats.draft_seconds += draft_s
+        self.stats.verify_seconds += verify_s
+        self.policy.record_acceptance(shape, accepted_drafts)
+        return emitted
+
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        from jetserve.engine.cuda_graph import SpecGraphRunner
+
+        assert self.runner.device.type == "cuda", "CUDA graphs need a CUDA device"
+        self.graphs = SpecGraphRunner(self, batch_sizes)
+        self.graphs.capture()

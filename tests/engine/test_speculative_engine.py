@@ -1,0 +1,369 @@
+"""Speculative decoding through the engine on the CPU (reference ops, tiny fp32 target, random EAGLE-3 draft):
+greedy speculative output equals plain greedy output token for token (chains and trees, batches of 1 to 8, forced
+acceptance patterns including rounds with no draft), the JetBlock state after speculative rounds equals a prefill of
+the same tokens, stochastic acceptance keeps the target distribution, chunked prefill and preemption still work,
+and no page or slot leaks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.engine.speculative import EXPLORE_EVERY, AdaptivePolicy, DraftShape, draft_shapes
+from jetserve.generate import generate_tokens
+from jetserve.llm import LLM
+from jetserve.model.static_cache import StaticCache
+from jetserve.sampling_params import SamplingParams
+from jetserve.spec.eagle3 import make_draft_checkpoint
+
+MAX_TOKENS = 16
+# Lengths cross the page size (4), the SWA window (16) and one prompt is a single token.
+PROMPT_LENGTHS = (1, 5, 17, 33, 2, 9, 24, 12)
+BASE_ARGS = dict(device="cpu", page_size=4, num_pages=256, num_slots=9, max_model_len=128)
+CHAIN = dict(spec_topk=1, spec_steps=3)
+TREE = dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_checkpoint, tmp_path_factory):
+    return str(make_draft_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def continuations(tiny_model, prompts) -> list[list[int]]:
+    """Each prompt's plain greedy continuation through the unbatched StaticCache path, with room past MAX_TOKENS for
+    forced trees to look ahead."""
+    return [generate_tokens(tiny_model, p, MAX_TOKENS + 8).token_ids for p in prompts]
+
+
+def make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=None, **engine_args) -> LLMEngine:
+    config = EngineConfig(model=str(tiny_checkpoint), draft=draft_dir, **(BASE_ARGS | engine_args))
+    return LLMEngine(config, model=tiny_model, tokenizer=None, forced_acceptance=forced)
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, before_step=None) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    final = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if before_step is not None:
+            before_step(step)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.output_token_ids
+        step += 1
+    assert engine.is_idle_and_clean()
+    return [final[str(i)] for i in range(len(prompts))]
+
+
+def forced_pattern(engine: LLMEngine, continuations: dict[str, list[int]], correct_depth):
+    """A tree override: node tokens are the request's true continuation at the node's position where its depth is at
+    most `correct_depth(round, row)`, a wrong token below that."""
+    vocab = engine.model_config.vocab_size
+    rounds = [0]
+
+    def override(tree, slots):
+        by_slot = {s.slot: s for s in engine.scheduler.running}
+        tokens = tree.tokens.clone()
+        positions, depths = tree.positions.tolist(), tree.depths.tolist()
+        for i, slot in enumerate(slots.tolist()):
+            seq = by_slot[slot]
+            full = seq.prompt_token_ids + continuations[seq.request_id]
+            k = correct_depth(rounds[0], i)
+            for j in range(1, tree.num_nodes):
+                right = full[positions[i][j]]
+                tokens[i, j] = right if depths[i][j] <= k else (right + 1) % vocab
+        rounds[0] += 1
+        return dataclasses.replace(tree, tokens=tokens)
+
+    return override
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+def test_drafted_greedy_equals_plain_through_llm(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, batch_size
+):
+    """The random draft's own trees (almost never accepted) through LLM.generate, adaptive speculation off."""
+    llm = LLM(str(tiny_checkpoint), model_instance=tiny_model, tokenizer=None, draft=draft_dir, spec_adaptive=False,
+              **shape, **BASE_ARGS)  # fmt: skip
+    outs = llm.generate(prompts[:batch_size], greedy())
+    assert [o.output_token_ids for o in outs] == [c[:MAX_TOKENS] for c in continuations[:batch_size]]
+    assert llm.engine.num_verify_steps > 0 and llm.engine.num_drafts >= llm.engine.num_verify_steps
+    assert llm.engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("forced", ["right", "wrong"])
+def test_forced_acceptance_all_and_none(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, forced):
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=forced, spec_adaptive=False, **shape)
+    for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
+        engine.spec.forced_continuations[str(i)] = p + c
+    outs = run(engine, prompts, greedy())
+    assert outs == [c[:MAX_TOKENS] for c in continuations]
+    stats = engine.spec_stats
+    if forced == "wrong":
+        assert stats.num_accepted_tokens == 0 and stats.num_draft_tokens > 0
+    else:
+        # Every tree's deepest path is right, so each round accepts its tree's depth (a chain's is 3).
+        rates = stats.acceptance_rate_per_depth
+        assert rates and all(r == 1.0 for r in rates)
+        if shape is CHAIN:
+            assert len(rates) == 3 and stats.mean_acceptance_length == 4.0
+            # Per request: 15 tokens after the prefill's first, 4 per round (the last round's surplus cut).
+            assert stats.num_drafts == len(prompts) * -(-(MAX_TOKENS - 1) // 4)
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_mixed_acceptance_patterns_and_rounds_without_draft(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape
+):
+    """Per round and per sequence a random accepted depth (k = 1 right after k ≥ 2 included), and every third
+    round decodes plainly (no draft): outputs stay equal to plain greedy."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **shape)
+    rng = random.Random(5)
+    schedule = {(0, 0): 2, (1, 0): 1, (0, 1): 3, (1, 1): 0}  # row 0: k = 2 then 1; row 1: all then none
+    engine.spec.tree_override = forced_pattern(
+        engine, {str(i): c for i, c in enumerate(continuations)},
+        lambda r, i: schedule.get((r, i), rng.randint(0, 3)),
+    )  # fmt: skip
+
+    def before_step(step):
+        engine.spec.policy.forced_option = -1 if step % 3 == 2 else 0
+
+    outs = run(engine, prompts, greedy(), before_step)
+    assert outs == [c[:MAX_TOKENS] for c in continuations]
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_verify_steps > 3
+
+
+def _jet_state(engine: LLMEngine, slot: int) -> list[torch.Tensor]:
+    pool = engine.state_pool
+    return [pool.conv_states[:, slot].clone(), pool.recurrent_states[:, slot].clone()]
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_state_after_speculative_rounds_equals_prefill(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape
+):
+    """Mid-generation, each sequence's JetBlock state and the draft's hidden state equal those of a fresh engine
+    that prefilled the same cached tokens."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **shape)
+    rng = random.Random(11)
+    engine.spec.tree_override = forced_pattern(
+        engine, {str(i): c for i, c in enumerate(continuations)}, lambda r, i: rng.randint(0, 3)
+    )
+    chosen = [1, 3, 4]
+    for i in chosen:
+        engine.add_request(str(i), prompts[i], greedy(max_tokens=64))
+    for _ in range(7):
+        engine.step()
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 3 and all(s.is_decoding and s.num_output_tokens > 7 for s in seqs)
+    for seq in seqs:
+        cached = seq.token_ids[: seq.num_computed_tokens]
+        fresh = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **shape)
+        fresh.add_request("x", cached, greedy(max_tokens=1))
+        fresh.step()
+        assert fresh.is_idle_and_clean()  # its slot (1) is free again but still holds the state
+        for a, b in zip(_jet_state(engine, seq.slot), _jet_state(fresh, 1), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(engine.spec.last_hidden[seq.slot], fresh.spec.last_hidden[1], rtol=1e-4, atol=1e-4)
+    for seq in seqs:
+        engine.abort_request(seq.request_id)
+    assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 64, "num_pages": 13, "num_slots": 3, "max_model_len": 48},
+    ],
+    ids=["chunked-7", "preempting"],
+)
+def test_chunked_prefill_and_preemption_with_speculation(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, engine_args
+):
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", spec_adaptive=False, **CHAIN,
+                         **engine_args)  # fmt: skip
+    few = prompts[:4]
+    many = few + few[::-1]
+    expected = continuations[:4] + continuations[:4][::-1]
+    for i, (p, c) in enumerate(zip(many, expected, strict=True)):
+        engine.spec.forced_continuations[str(i)] = p + c
+    max_tokens = 10
+    outs = run(engine, many, greedy(max_tokens))
+    assert outs == [c[:max_tokens] for c in expected]
+    assert engine.num_accepted_tokens > 0
+    if "num_slots" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_stop_token_inside_an_accepted_path(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", spec_adaptive=False, **CHAIN)
+    full = continuations[3]
+    stop_id = full[6]
+    first = full.index(stop_id)
+    engine.spec.forced_continuations["0"] = prompts[3] + full
+    engine.spec.forced_continuations["1"] = prompts[2] + continuations[2]
+    engine.add_request("0", prompts[3], greedy(stop_token_ids=[stop_id]))
+    engine.add_request("1", prompts[2], greedy(max_tokens=5))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["0"].output_token_ids == full[: first + 1] and final["0"].stop_reason == stop_id
+    assert final["1"].output_token_ids == continuations[2][:5] and final["1"].finish_reason == "length"
+    assert engine.is_idle_and_clean()
+
+
+def test_logprob_requests_decode_plainly(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
+    engine.add_request("0", prompts[1], greedy(logprobs=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].output_token_ids == continuations[1][:MAX_TOKENS]
+    assert [e.token_id for e in outs[-1].logprobs] == continuations[1][:MAX_TOKENS]
+    assert engine.num_verify_steps == 0 and engine.is_idle_and_clean()
+
+
+def _target_joint(model, prompt: list[int], top_k: int) -> dict[tuple[int, int], float]:
+    """P(t1, t2) of sampling two tokens at temperature 1 with top-k filtering, computed exactly from the target."""
+
+    def top_probs(tokens):
+        cache = StaticCache(model, 1, len(tokens) + 1)
+        with torch.no_grad():
+            logits = model.compute_logits(model(cache.batch([0], [tokens])))[-1]
+        values, ids = logits.topk(top_k)
+        return dict(zip(ids.tolist(), torch.softmax(values.double(), 0).tolist(), strict=True))
+
+    joint = {}
+    for t1, p1 in top_probs(prompt).items():
+        for t2, p2 in top_probs(prompt + [t1]).items():
+            joint[(t1, t2)] = p1 * p2
+    return joint
+
+
+def test_stochastic_acceptance_keeps_the_target_distribution(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """1600 seeded requests sample (t1, t2) at temperature 1, top-k 4: t1 by the prefill step, t2 by a verify step
+    whose tree offers the two likeliest t2 (and a wrong third) — accepted, rejected or drawn as the bonus. Pearson's
+    chi-square over the 16 cells stays under the 0.999 quantile of chi-square(15) = 37.70 (a correct sampler fails
+    1 run in 1000; a sampler that always accepts the first child gives a statistic in the thousands)."""
+    top_k, num_requests, prompt = 4, 1600, prompts[1]
+    joint = _target_joint(tiny_model, prompt, top_k)
+    second = {}
+    for (t1, t2), p in joint.items():
+        second.setdefault(t1, []).append((p, t2))
+    likeliest = {t1: [t for _, t in sorted(pairs, reverse=True)] for t1, pairs in second.items()}
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, max_num_seqs=32, num_slots=33,
+                         num_pages=512, spec_topk=2, spec_steps=1, spec_num_draft_tokens=3)  # fmt: skip
+    vocab = engine.model_config.vocab_size
+
+    def override(tree, slots):
+        tokens = tree.tokens.clone()
+        for i, root in enumerate(tree.tokens[:, 0].tolist()):
+            tokens[i, 1], tokens[i, 2] = likeliest[root][0], (likeliest[root][3] + 1) % vocab
+            if i % 2:  # half the trees offer the two likeliest
+                tokens[i, 2] = likeliest[root][1]
+        return dataclasses.replace(tree, tokens=tokens)
+
+    engine.spec.tree_override = override
+    counts: dict[tuple[int, int], int] = {}
+    for i in range(num_requests):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=1000 + i, max_tokens=2, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                key = tuple(out.output_token_ids)
+                counts[key] = counts.get(key, 0) + 1
+    assert engine.is_idle_and_clean()
+    assert set(counts) <= set(joint)
+    chi2 = sum((counts.get(cell, 0) - num_requests * p) ** 2 / (num_requests * p) for cell, p in joint.items())
+    assert chi2 < 37.70, f"chi-square {chi2:.1f} over 16 cells: {counts}"
+    stats = engine.spec_stats
+    assert stats.num_drafts == num_requests
+    assert 0.2 * num_requests < stats.num_accepted_tokens < num_requests  # acceptances and rejections both happen
+
+
+def test_speculation_config_errors(tiny_checkpoint, tiny_model, draft_dir, tmp_path):
+    with pytest.raises(ValueError, match="spec_topk"):
+        EngineConfig(spec_topk=2)
+    with pytest.raises(ValueError, match="spec_num_draft_tokens"):
+        EngineConfig(draft=draft_dir, spec_topk=2, spec_steps=2, spec_num_draft_tokens=8)
+    with pytest.raises(ValueError, match="spec_steps"):
+        EngineConfig(draft=draft_dir, spec_steps=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(draft=draft_dir, spec_topk=2, spec_steps=3, max_num_batched_tokens=4)
+    assert EngineConfig(draft=draft_dir).num_draft_tokens == 4 and EngineConfig().num_draft_tokens == 0
+    # A draft made for another target: its features are narrower than the target's hidden size.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((tiny_checkpoint / "config.json").read_text() if hasattr(tiny_checkpoint, "joinpath")
+                        else open(f"{tiny_checkpoint}/config.json").read())  # fmt: skip
+    assert config["hidden_size"] == 64
+    draft_config = json.loads(open(f"{draft_dir}/config.json").read())
+    (bad / "config.json").write_text(json.dumps(draft_config | {"target_hidden_size": 32}))
+    (bad / "model.safetensors").write_bytes(open(f"{draft_dir}/model.safetensors", "rb").read())
+    with pytest.raises(ValueError, match="target_hidden_size"):
+        make_engine(tiny_checkpoint, tiny_model, str(bad))
+
+
+def test_ring_and_pages_make_room_for_the_tree(tiny_checkpoint, tiny_model, draft_dir):
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **TREE)
+    window = engine.model_config.swa_window_size
+    assert engine.plan.ring_tokens >= window + 6 - 1 and engine.plan.num_draft_tokens == 6
+    plain = LLMEngine(EngineConfig(model=str(tiny_checkpoint), **BASE_ARGS), model=tiny_model, tokenizer=None)
+    assert plain.plan.ring_tokens < engine.plan.ring_tokens
+    assert engine.plan.page_bytes > plain.plan.page_bytes  # the draft's K/V rides on every page
+
+
+def test_adaptive_policy_cost_model():
+    shapes = draft_shapes(1, 6, 7)
+    assert shapes == [DraftShape(1, 6, 7), DraftShape(1, 3, 4)]
+    assert draft_shapes(2, 3, 6) == [DraftShape(2, 3, 6), DraftShape(2, 1, 3)]
+    policy = AdaptivePolicy(shapes, adaptive=True)
+    # Every option is tried once per bucket, largest shape first, plain decoding last.
+    tried = []
+    for seconds in (3.0, 2.0, 1.0):
+        option = policy.choose(4)
+        tried.append(option)
+        policy.record_step(option, 4, seconds)
+    assert tried == [0, 1, -1]
+    # Nothing accepted: plain decoding (1 token / 1 s) beats 1 token / 2 s and 1 token / 3 s.
+    policy.record_acceptance(0, [0, 0])
+    policy.record_acceptance(1, [0, 0])
+    assert policy.choose(4) == -1
+    # High acceptance makes the big tree worth its time: 1 + 5 tokens / 3 s > 1 + 2 / 2 s > 1 / 1 s.
+    policy.mean_accepted = [5.0, 2.0]
+    assert policy.choose(4) == 0
+    # Another bucket is measured on its own; exploration revisits the least recently used option.
+    assert policy.choose(64) == 0
+    choices = []
+    for _ in range(EXPLORE_EVERY):
+        choices.append(policy.choose(4))
+        policy.record_step(choices[-1], 4, {0: 3.0, 1: 2.0, -1: 1.0}[choices[-1]])
+    assert choices.count(0) == EXPLORE_EVERY - 1 and 1 in choices  # once: the least recently measured
+    fixed = AdaptivePolicy(shapes, adaptive=False)
+    assert fixed.choose(256) == 0

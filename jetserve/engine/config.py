@@ -36,6 +36,8 @@ class EngineConfig:
     spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
+    tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
+    data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +56,9 @@ class EngineConfig:
         self._check_speculation()
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size: must be ≥ 1, got {self.cuda_graph_max_batch_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be ≥ 1, got {getattr(self, name)}")
 
     def _check_speculation(self) -> None:
         spec_fields = ("spec_topk", "spec_steps", "spec_num_draft_tokens")

@@ -1,0 +1,92 @@
+"""The tensor-parallel engine (rank 0 here, rank 1 spawned, gloo) == the single-process engine: greedy and seeded
+sampled tokens, log-probs to 1e-5, with and without EAGLE-3 speculation; per-rank caches hold the local heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetserve.distributed.engine import TensorParallelEngine, build_engine
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.sampling_params import SamplingParams
+from jetserve.spec.eagle3 import make_draft_checkpoint
+
+BASE = dict(dtype="float32", device="cpu", page_size=4, num_pages=256, num_slots=9, max_model_len=128)
+PROMPT_LENGTHS = (1, 5, 17, 33, 9)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 320, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_checkpoint, tmp_path_factory):
+    return str(make_draft_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200))
+
+
+def requests(prompts) -> list[tuple[list[int], SamplingParams]]:
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    return [(p, [greedy, sampled, greedy, with_logprobs, sampled][i]) for i, p in enumerate(prompts)]
+
+
+def run(engine: LLMEngine, reqs) -> dict[str, tuple[list[int], list]]:
+    for i, (prompt, params) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params)
+    engine.add_request("gone", reqs[0][0], reqs[0][1])
+    assert engine.abort_request("gone")
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = (list(out.output_token_ids), out.logprobs)
+    assert engine.is_idle_and_clean()
+    return final
+
+
+def check_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for request_id, (tokens, logprobs) in want.items():
+        assert got[request_id][0] == tokens, f"request {request_id}"
+        if logprobs:
+            for a, b in zip(got[request_id][1], logprobs, strict=True):
+                assert a.token_id == b.token_id and a.top_ids == b.top_ids
+                assert abs(a.logprob - b.logprob) < 1e-5
+                assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3"])
+def test_tp2_engine_equals_one_process(tiny_checkpoint, prompts, draft_dir, speculative):
+    spec = dict(draft=draft_dir, spec_topk=2, spec_steps=2, spec_num_draft_tokens=5) if speculative else {}
+    config = EngineConfig(model=str(tiny_checkpoint), **BASE, **spec)
+    reqs = requests(prompts)
+    want = run(LLMEngine(config, tokenizer=None), reqs)
+    engine = build_engine(EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=2, **BASE, **spec))
+    try:
+        assert isinstance(engine, TensorParallelEngine) and engine.group.world_size == 2
+        got = run(engine, reqs)
+        if speculative:
+            assert engine.num_verify_steps > 0
+        # The per-rank pools hold the local heads only: 1 of 2 jet heads, 1 of 2 K/V heads.
+        assert engine.state_pool.recurrent_states.shape[2] == 1
+        assert engine.state_pool.conv_states.shape[-1] == engine.model.config.jet.value_dim == 32
+        assert next(iter(engine.runner.kv_caches.values()))[0].shape[2] == 1
+        # A second round on the same engine (state slots and pages reused, seeds drawn in the same order).
+        again = run(engine, reqs)
+    finally:
+        engine.shutdown()
+    check_same(got, want)
+    check_same(again, want)
+
+
+def test_build_engine_refusals(tiny_checkpoint):
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        build_engine(EngineConfig(model=str(tiny_checkpoint), data_parallel_size=2, **BASE))
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide num_attention_heads"):
+        build_engine(EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=3, **BASE))
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be ≥ 1"):
+        EngineConfig(tensor_parallel_size=0)

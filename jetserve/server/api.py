@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jetserve.engine.output import RequestOutput
 from jetserve.engine.sequence import TokenLogprobs
+from jetserve.multimodal.inputs import ImageInputs
+from jetserve.multimodal.processor import ImageError, ImageLimits, ImageProcessor, decode_data_url, decode_image
 from jetserve.sampling_params import SamplingParams
 from jetserve.server.async_engine import AsyncEngine, EngineDeadError, RequestRejectedError
 from jetserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -52,6 +54,7 @@ class _Choice:
     prompt_text: str
     params: SamplingParams
     request_id: str
+    images: ImageInputs | None = None  # shared by the choices of one chat request
 
 
 @dataclass
@@ -76,7 +79,11 @@ class OpenAIServer:
         model_names: list[str],
         api_key: str | None = None,
         metrics: ServerMetrics | None = None,
+        allow_image_urls: bool = False,
+        image_limits: ImageLimits | None = None,
     ) -> None:
+        """`allow_image_urls` lets chat image parts name http(s) URLs the server then fetches (by default only
+        data: URLs are accepted); `image_limits` bounds images per request, bytes and pixels per image."""
         assert model_names, "a server needs a model name"
         self.engine = engine
         self.tokenizer = tokenizer
@@ -85,6 +92,16 @@ class OpenAIServer:
         self.metrics = metrics or ServerMetrics(model_names[0])
         self.vocab_size = engine.engine.model_config.vocab_size
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+        self.allow_image_urls = allow_image_urls
+        self.image_limits = image_limits or ImageLimits()
+        self.image_processor: ImageProcessor | None = None
+        self.image_placeholder: str | None = None  # the image token's text, where an image part sits in the prompt
+        llm_engine = engine.engine
+        if getattr(llm_engine, "vision", None) is not None:
+            line_feed = tokenizer.encode("\n")
+            assert len(line_feed) == 1, "the tokenizer must encode a line feed as one token"
+            self.image_processor = ImageProcessor.from_pretrained(llm_engine.config.model, line_feed[0])
+            self.image_placeholder = tokenizer.decode([self.image_processor.image_token_id], skip_special_tokens=False)
 
     # ---- requests to choices ----
 
@@ -142,12 +159,62 @@ class OpenAIServer:
         return prompts
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        """The rendered chat as token ids; each image part is one image placeholder token (not yet expanded)."""
+        messages = [{"role": m.role, "content": m.text(self.image_placeholder)} for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # jinja errors and the template's own raise_exception
             raise ApiError(f"messages: the chat template rejected them: {e}", param="messages") from None
         return self.tokenizer.encode(text)
+
+    async def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], ImageInputs | None]:
+        """The chat's prompt ids with each image's placeholder expanded, and its images ready for the engine. Image
+        bytes arrive (data: URLs, or fetched) here; decoding and preprocessing run on a worker thread, off both the
+        event loop and the engine's step loop."""
+        parts = [(f"messages.{i}.content.{j}.image_url", url) for i, m in enumerate(req.messages)
+                 for j, url in m.image_urls()]  # fmt: skip
+        if not parts:
+            return self._chat_prompt(req), None
+        if self.image_processor is None:
+            raise ApiError(f"{parts[0][0]}: this model does not take images", param=parts[0][0])
+        limit = self.image_limits.max_images_per_request
+        if len(parts) > limit:
+            raise ApiError(f"messages: {len(parts)} images; at most {limit} per request", param="messages")
+        prompt_ids = self._chat_prompt(req)
+        data = [await self._image_bytes(param, url) for param, url in parts]
+        return await asyncio.to_thread(self._prepare_images, prompt_ids, data, [param for param, _ in parts])
+
+    async def _image_bytes(self, param: str, url: str) -> bytes:
+        limits = self.image_limits
+        if url.startswith("data:"):
+            try:
+                return decode_data_url(url, limits)
+            except ImageError as e:
+                raise ApiError(f"{param}: {e}", param=param) from None
+        if not url.startswith(("http://", "https://")):
+            raise ApiError(f"{param}: unsupported URL (expected data:image/...;base64,... or http(s))", param=param)
+        if not self.allow_image_urls:
+            raise ApiError(
+                f"{param}: this server does not fetch image URLs; send the image inline as a data:image/...;base64 "
+                "URL (or start the server with --allow-image-urls)",
+                param=param,
+            )
+        return await _fetch_image(url, param, limits)
+
+    def _prepare_images(
+        self, prompt_ids: list[int], data: list[bytes], params: list[str]
+    ) -> tuple[list[int], ImageInputs]:
+        assert self.image_processor is not None
+        images = []
+        for raw, param in zip(data, params, strict=True):
+            try:
+                images.append(decode_image(raw, self.image_limits))
+            except ImageError as e:
+                raise ApiError(f"{param}: {e}", param=param) from None
+        try:
+            return self.image_processor.expand(prompt_ids, self.image_processor.tiles(images))
+        except ImageError as e:
+            raise ApiError(f"messages: {e}", param="messages") from None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -162,7 +229,7 @@ class OpenAIServer:
         return results
 
     def _generate(self, choices: list[_Choice]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return _merge([self.engine.generate(c.request_id, c.prompt_ids, c.params) for c in choices])
+        return _merge([self.engine.generate(c.request_id, c.prompt_ids, c.params, c.images) for c in choices])
 
     # ---- /v1/completions ----
 
@@ -312,16 +379,17 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
-        prompt_ids = self._chat_prompt(req)
+        prompt_ids, images = await self._chat_inputs(req)
         self._check_prompt(prompt_ids, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(req.requested_max_tokens, len(prompt_ids), param)
         k = (req.top_logprobs or 0) if req.logprobs else None
         base_id = new_id("chatcmpl")
         choices = [
-            _Choice(j, prompt_ids, "", req.sampling_params(max_tokens, k, None, seed_offset=j), f"{base_id}-{j}")
+            _Choice(j, prompt_ids, "", req.sampling_params(max_tokens, k, None, seed_offset=j), f"{base_id}-{j}",
+                    images)
             for j in range(req.n)
-        ]
+        ]  # fmt: skip
         if req.stream:
             return _SSEResponse(self._stream_chat(req, base_id, choices))
         results = await _unless_disconnected(request, self._results(choices))
@@ -443,6 +511,25 @@ class OpenAIServer:
         header = headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+async def _fetch_image(url: str, param: str, limits: ImageLimits, timeout_s: float = 30.0) -> bytes:
+    """GET an image URL (only with --allow-image-urls), reading at most `limits.max_image_bytes`."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise ApiError(f"{param}: fetching the image got HTTP {response.status_code}", param=param)
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    if len(data) > limits.max_image_bytes:
+                        raise ApiError(f"{param}: image too large: over {limits.max_image_bytes} bytes", param=param)
+                return bytes(data)
+    except httpx.HTTPError as e:
+        raise ApiError(f"{param}: could not fetch the image ({type(e).__name__}: {e})", param=param) from None
 
 
 def _accumulate(result: _Result, out: RequestOutput) -> None:

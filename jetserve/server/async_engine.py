@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from jetserve.engine.engine import LLMEngine
 from jetserve.engine.output import RequestOutput
+from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
 from jetserve.server.metrics import ServerMetrics
 
@@ -49,7 +50,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._streams: dict[str, _Stream] = {}  # touched only on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None  # the one event loop the requests come from
-        self._commands: list[tuple[str, str, list[int] | None, SamplingParams | None]] = []
+        self._commands: list[tuple[str, str, list[int] | None, SamplingParams | None, ImageInputs | None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopping = False
@@ -74,9 +75,10 @@ class AsyncEngine:
             self._thread.join(timeout_s)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images: ImageInputs | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; abandoning the iterator aborts the request.
+        """Yield the request's outputs until it finishes; abandoning the iterator aborts the request. `images` (a VLM
+        prompt's, placeholders expanded) may be shared by several requests: the engine encodes them once.
 
         Raises RequestRejectedError when the engine refuses the request, EngineDeadError when its loop has failed."""
         if self._error is not None:
@@ -87,7 +89,7 @@ class AsyncEngine:
         self._loop = loop
         stream = _Stream(num_prompt_tokens=len(prompt_token_ids))
         self._streams[request_id] = stream
-        self._command("add", request_id, list(prompt_token_ids), params)
+        self._command("add", request_id, list(prompt_token_ids), params, images)
         finished = False
         try:
             while True:
@@ -102,29 +104,39 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._command("abort", request_id, None, None)
+                self._command("abort", request_id, None, None, None)
                 if self.metrics is not None:
                     self.metrics.request_aborted()
 
     def abort(self, request_id: str) -> None:
-        self._command("abort", request_id, None, None)
+        self._command("abort", request_id, None, None, None)
 
     # ---- the engine thread ----
 
-    def _command(self, kind: str, request_id: str, prompt: list[int] | None, params: SamplingParams | None) -> None:
+    def _command(
+        self,
+        kind: str,
+        request_id: str,
+        prompt: list[int] | None,
+        params: SamplingParams | None,
+        images: ImageInputs | None,
+    ) -> None:
         with self._lock:
-            self._commands.append((kind, request_id, prompt, params))
+            self._commands.append((kind, request_id, prompt, params, images))
         self._wakeup.set()
 
     def _apply_commands(self) -> list[tuple[str, BaseException]]:
         with self._lock:
             commands, self._commands = self._commands, []
         rejected = []
-        for kind, request_id, prompt, params in commands:
+        for kind, request_id, prompt, params, images in commands:
             if kind == "add":
                 assert prompt is not None and params is not None
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    if images is None:
+                        self.engine.add_request(request_id, prompt, params)
+                    else:  # encodes the images (once for all the choices sharing them) on this thread
+                        self.engine.add_request(request_id, prompt, params, images)
                 except ValueError as e:
                     rejected.append((request_id, RequestRejectedError(str(e))))
             else:

@@ -26,12 +26,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", nargs="+", default=None, help="the names clients use (default: the --model path)"
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in chat requests (default: data: URLs only)",
+    )
     add_engine_arguments(parser)
 
 
 def build_server(
-    config: EngineConfig, model_names: list[str] | None = None, api_key: str | None = None
-) -> tuple[OpenAIServer, FastAPI]:
+    config: EngineConfig, model_names: list[str] | None = None, api_key: str | None = None,
+    allow_image_urls: bool = False,
+) -> tuple[OpenAIServer, FastAPI]:  # fmt: skip
     """Load the engine and wrap it in the HTTP app (the engine thread starts with the app's lifespan)."""
     from jetserve.engine.engine import LLMEngine
     from jetserve.server.api import OpenAIServer, build_app
@@ -43,7 +49,7 @@ def build_server(
         raise ValueError(f"--model: {config.tokenizer or config.model} has no tokenizer.json; the server needs one")
     names = model_names or [config.model]
     metrics = ServerMetrics(names[0])
-    server = OpenAIServer(AsyncEngine(engine, metrics), engine.tokenizer, names, api_key, metrics)
+    server = OpenAIServer(AsyncEngine(engine, metrics), engine.tokenizer, names, api_key, metrics, allow_image_urls)
     return server, build_app(server)
 
 
@@ -53,7 +59,8 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port: {args.port} is not a TCP port")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server, app = build_server(engine_config_from_args(args), args.served_model_name, args.api_key)
+    server, app = build_server(engine_config_from_args(args), args.served_model_name, args.api_key,
+                               args.allow_image_urls)  # fmt: skip
     logger.info("serving %s on http://%s:%d (max_model_len %d)", server.model_names[0], args.host, args.port,
                 server.engine.max_model_len)  # fmt: skip
     uvicorn.run(

@@ -63,8 +63,9 @@ UNION_HINTS: dict[str, dict[str, Any]] = {
         "hint": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     },
     "content": {
-        "tags": ("str", "list[TextPart]", "none"),
-        "hint": "must be a string or a list of {'type': 'text', 'text': ...} parts",
+        "tags": ("str", "list[tagged-union[TextPart,ImagePart]]", "none"),
+        "hint": "must be a string or a list of {'type': 'text', 'text': ...} and {'type': 'image_url', 'image_url': "
+        "{'url': ...}} parts",
     },
     "stop": {"tags": ("str", "list[str]", "none"), "hint": "must be a string or a list of non-empty strings"},
 }
@@ -187,18 +188,48 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the checkpoint's processor decides the tiling
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, image_placeholder: str | None = None) -> str:
+        """The content as one string; each image part becomes `image_placeholder` (an error when it is None)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        pieces = []
+        for part in self.content:
+            if isinstance(part, TextPart):
+                pieces.append(part.text)
+            elif image_placeholder is None:
+                raise ApiError("messages: image parts are not supported by this model", param="messages")
+            else:
+                pieces.append(image_placeholder)
+        return "".join(pieces)
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, URL) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part.image_url.url) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -5,7 +5,7 @@ chunked prefill that cuts through an image equals whole prefill."""
 import numpy as np
 import pytest
 import torch
-from conftest import png_bytes, vlm_engine_config
+from vlm_helpers import png_bytes, vlm_engine_config
 
 from jetserve.config import VLMConfig
 from jetserve.engine.engine import LLMEngine

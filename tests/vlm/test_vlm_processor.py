@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import data_url, png_bytes
+from vlm_helpers import data_url, png_bytes
 
 from jetserve.config import VLMConfig
 from jetserve.multimodal.processor import (

@@ -20,7 +20,15 @@ class LLM:
     def __init__(
         self, model: str = "", *, model_instance: JetNemotronForCausalLM | None = None, tokenizer=None, **engine_args
     ) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), model=model_instance, tokenizer=tokenizer)
+        config = EngineConfig(model=model, **engine_args)
+        if model_instance is None:
+            from jetserve.distributed.engine import build_engine  # tensor parallel when the config asks for it
+
+            self.engine = build_engine(config, tokenizer)
+        elif config.tensor_parallel_size > 1 or config.data_parallel_size > 1:
+            raise ValueError("model_instance: a built model runs in one process (tensor/data parallel load their own)")
+        else:
+            self.engine = LLMEngine(config, model=model_instance, tokenizer=tokenizer)
         self._ids = itertools.count()
 
     @property

@@ -90,3 +90,12 @@ def test_build_engine_refusals(tiny_checkpoint):
         build_engine(EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=3, **BASE))
     with pytest.raises(ValueError, match="tensor_parallel_size: must be ≥ 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_llm_refuses_a_built_model_with_parallelism(tiny_checkpoint):
+    from jetserve.llm import LLM
+    from jetserve.model.loader import load_model
+
+    model = load_model(tiny_checkpoint, dtype="float32")
+    with pytest.raises(ValueError, match="model_instance"):
+        LLM(str(tiny_checkpoint), model_instance=model, tensor_parallel_size=2, **BASE)

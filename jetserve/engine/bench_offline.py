@@ -1,6 +1,6 @@
 """`jetserve bench offline`: prefill and decode throughput of the engine per batch size, each beside its roofline
 (bytes a step must move over the copy bandwidth measured in the same run; for prefill also FLOPs over measured GEMM
-throughput)."""
+throughput); with a draft, speculative decoding's throughput and speed-up over plain decoding in the same run."""
 
 from __future__ import annotations
 
@@ -38,6 +38,17 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per result instead of a table")
+    spec = p.add_argument_group("speculative decoding (each batch size also decodes plainly, for the speed-up)")
+    spec.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft folder, or `random` (a random draft in memory)")
+    spec.add_argument("--spec-topk", type=int, help="children per draft node (default 1)")
+    spec.add_argument("--spec-steps", type=int, help="draft levels (default 3)")
+    spec.add_argument("--spec-num-draft-tokens", type=int, help="tree nodes per verify step, root included")
+    spec.add_argument("--no-spec-adaptive", action="store_true", help="always verify the full tree")
+    spec.add_argument(
+        "--forced-acceptance", choices=["right", "wrong"],
+        help="replace drafted tokens by the target's own greedy continuation (right: best case) or tokens that are "
+        "never it (wrong: the overhead)",
+    )  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")
 
 
@@ -57,6 +68,14 @@ class BenchResult:
     peak_memory_gib: float | None
     copy_bandwidth_gb_s: float
     gemm_tflops: float
+    # With a draft: decode throughput over the same steps of both runs (tokens / seconds), speculative over plain.
+    plain_decode_tok_s: float | None = None
+    spec_decode_tok_s: float | None = None
+    spec_speedup: float | None = None
+    spec_tau: float | None = None  # tokens per sequence per verify step
+    spec_acceptance_per_depth: list[float] | None = None
+    spec_draft_ms: float | None = None  # per verify step
+    spec_verify_ms: float | None = None
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
@@ -64,13 +83,27 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     if args.input_len < 1 or args.output_len < 2:
         raise ValueError("--input-len must be ≥ 1 and --output-len ≥ 2 (decode needs a step after the first token)")
     device = resolve_device(args.device)
+    draft_arg = getattr(args, "draft", None)
+    if getattr(args, "forced_acceptance", None) and not draft_arg:
+        raise ValueError("--forced-acceptance: needs --draft")
+    kwargs = _engine_kwargs(args, batch_sizes)
+    forced = getattr(args, "forced_acceptance", None)
     if args.model:
-        kwargs = _engine_kwargs(args, batch_sizes)
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=str(device), **kwargs))
+        model = tokenizer = None
+        if draft_arg == "random":
+            from jetserve.model.loader import load_model
+
+            model, tokenizer = load_model(args.model, dtype=args.dtype, device=device), None
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=str(device), **kwargs)
     else:
-        model = random_model(args.config, args.dtype, device, args.seed)
-        config = EngineConfig(dtype=args.dtype, device=str(device), **_engine_kwargs(args, batch_sizes))
-        engine = LLMEngine(config, model=model, tokenizer=None)
+        model, tokenizer = random_model(args.config, args.dtype, device, args.seed), None
+        config = EngineConfig(dtype=args.dtype, device=str(device), **kwargs)
+    draft = None
+    if draft_arg == "random":
+        from jetserve.spec.eagle3 import random_draft_model
+
+        draft = random_draft_model(model, seed=args.seed)
+    engine = LLMEngine(config, model=model, tokenizer=tokenizer, draft=draft, forced_acceptance=forced)
     bandwidth = measure_copy_bandwidth(device)
     tflops = measure_gemm_tflops(device, engine.runner.dtype)
     results = []
@@ -97,7 +130,13 @@ def _parse_batch_sizes(text: str) -> list[int]:
 
 
 def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
-    return dict(
+    spec = {}
+    if getattr(args, "draft", None):
+        spec = dict(
+            draft=args.draft, spec_topk=args.spec_topk, spec_steps=args.spec_steps,
+            spec_num_draft_tokens=args.spec_num_draft_tokens, spec_adaptive=not args.no_spec_adaptive,
+        )  # fmt: skip
+    return spec | dict(
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len,
@@ -211,13 +250,19 @@ def bench_batch(
     prompts = torch.randint(0, vocab, (batch_size, input_len), generator=gen).tolist()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if engine.spec is not None:
+        engine.set_speculation(False)
     # Prefill alone: one token each, so no decode rows mix into the timed steps.
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}")[0]
+    prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}").seconds
     # Decode: time only the steps that decode the whole batch at once.
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    _, decode_steps = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
+    plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
+    decode_steps = plain.decode_step_seconds
     assert engine.is_idle_and_clean()
+    spec_fields = {}
+    if engine.spec is not None:
+        spec_fields = _bench_speculative(engine, prompts, params, plain, batch_size)
     if not decode_steps:
         raise ValueError(f"--batch-sizes: {batch_size} never decoded as one batch (too few state slots or pages?)")
     tpot = statistics.median(decode_steps)
@@ -244,30 +289,76 @@ def bench_batch(
         peak_memory_gib=None if peak is None else round(peak, 3),
         copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
         gemm_tflops=round(tflops, 1),
+        **spec_fields,
     )
+
+
+def _bench_speculative(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, plain: RunResult, batch_size: int
+) -> dict:
+    """The same requests again with speculation on; with forced acceptance, the drafts come from the plain run's
+    greedy continuations. Throughput on both sides is tokens over seconds of the steps that decoded the whole batch."""
+    from jetserve.engine.speculative import SpecStats
+
+    spec = engine.spec
+    label = f"spec    b={batch_size}"
+    spec.forced_continuations = {
+        f"{label}-{i}": prompt + plain.outputs[i] for i, prompt in enumerate(prompts)
+    }  # fmt: skip
+    engine.set_speculation(True)
+    spec.stats = SpecStats()
+    run = _run(engine, prompts, params, label, batch_size)
+    assert engine.is_idle_and_clean()
+    stats = spec.stats
+    plain_tok_s = plain.decode_tokens / max(sum(plain.decode_step_seconds), 1e-12)
+    spec_tok_s = run.decode_tokens / max(sum(run.decode_step_seconds), 1e-12)
+    steps = max(stats.num_verify_steps, 1)
+    return dict(
+        plain_decode_tok_s=round(plain_tok_s, 1),
+        spec_decode_tok_s=round(spec_tok_s, 1),
+        spec_speedup=round(spec_tok_s / plain_tok_s, 4) if plain_tok_s > 0 else None,
+        spec_tau=round(stats.mean_acceptance_length, 4),
+        spec_acceptance_per_depth=[round(r, 4) for r in stats.acceptance_rate_per_depth],
+        spec_draft_ms=round(1e3 * stats.draft_seconds / steps, 4),
+        spec_verify_ms=round(1e3 * stats.verify_seconds / steps, 4),
+    )
+
+
+@dataclass
+class RunResult:
+    seconds: float  # the whole run
+    decode_step_seconds: list[float]  # each step that decoded the full batch
+    decode_tokens: int  # tokens those steps produced
+    outputs: list[list[int]]  # each request's output tokens, in prompt order
 
 
 def _run(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, label: str, full_batch: int = 0
-) -> tuple[float, list[float]]:
-    """Generate to the end; returns (total seconds, seconds of each step that decoded `full_batch` sequences)."""
+) -> RunResult:
+    """Generate to the end, timing the steps that decoded `full_batch` sequences at once."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{label}-{i}", prompt, params)
     total_steps = _estimate_steps(engine, prompts, params)
     decode_steps: list[float] = []
+    decode_tokens = 0
+    outputs: dict[str, list[int]] = {}
     step = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         is_full_decode = full_batch > 0 and _is_full_decode(engine, full_batch)
         t0 = time.perf_counter()
-        engine.step()
+        outs = engine.step()
         if is_full_decode:
             decode_steps.append(time.perf_counter() - t0)
+            decode_tokens += sum(len(o.new_token_ids) for o in outs)
+        for out in outs:
+            if out.finished:
+                outputs[out.request_id] = out.output_token_ids
         step += 1
         _progress(label, step, total_steps)
     seconds = time.perf_counter() - start
     print(file=sys.stderr)
-    return seconds, decode_steps
+    return RunResult(seconds, decode_steps, decode_tokens, [outputs[f"{label}-{i}"] for i in range(len(prompts))])
 
 
 def _is_full_decode(engine: LLMEngine, batch_size: int) -> bool:
@@ -294,6 +385,14 @@ def print_table(results: list[BenchResult]) -> None:
         print(f"{r.batch_size:>6} {r.prefill_tok_s:>14.0f} {r.prefill_roofline_tok_s:>12.0f} {r.decode_tok_s:>13.1f} "
               f"{r.decode_roofline_tok_s:>12.1f} {r.decode_efficiency:>6.1%} {r.tpot_ms:>9.3f} "
               f"{r.tpot_roofline_ms:>11.3f} {peak:>9}")  # fmt: skip
+    if results and results[0].spec_decode_tok_s is not None:
+        print(f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'tau':>6} {'draft ms':>9} "
+              f"{'verify ms':>10}  acceptance per depth")  # fmt: skip
+        for r in results:
+            depths = " ".join(f"{a:.2f}" for a in r.spec_acceptance_per_depth or [])
+            print(f"{r.batch_size:>6} {r.plain_decode_tok_s:>12.1f} {r.spec_decode_tok_s:>11.1f} "
+                  f"{r.spec_speedup:>8.2f}x {r.spec_tau:>6.2f} {r.spec_draft_ms:>9.3f} {r.spec_verify_ms:>10.3f}  "
+                  f"{depths}")  # fmt: skip
     if results:
         r = results[0]
         print(f"copy bandwidth {r.copy_bandwidth_gb_s:.0f} GB/s, GEMM {r.gemm_tflops:.0f} TFLOP/s (measured here)")

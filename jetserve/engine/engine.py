@@ -236,6 +236,16 @@ class LLMEngine:
         if images.embeds is None:
             images.embeds = self.vision(images.pixel_values)  # [M, hidden]
 
+    def set_speculation(self, enabled: bool) -> None:
+        """Turn speculative decoding off (plain decoding, no draft catch-up) or back on, between runs: with nothing
+        in flight, since a sequence decoded without the draft has no draft cache to speculate from (benchmarks)."""
+        if self.spec is None:
+            raise ValueError("set_speculation: this engine has no draft")
+        if self.has_unfinished_requests():
+            raise ValueError("set_speculation: only with no request in flight")
+        self.runner.spec = self.spec if enabled else None
+        self.scheduler.verify_planner = self.spec if enabled else None
+
     # ---- introspection (tests, metrics) ----
 
     @property

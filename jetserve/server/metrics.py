@@ -21,7 +21,8 @@ class ServerMetrics:
 
     The engine thread samples the engine's queues and pools after every step (`sample_engine`); the event loop
     records token counts and latencies as outputs arrive (`output_received`). Speculative-decoding counters read the
-    engine's `num_draft_tokens` / `num_accepted_tokens` totals, which stay 0 until the engine drafts (issue 5).
+    engine's `num_draft_tokens` / `num_accepted_tokens` / `num_drafts` totals (0 without a draft); a draft is one
+    sequence's tree in one verify step, so τ = 1 + accepted / drafts.
     """
 
     def __init__(self, model_name: str) -> None:
@@ -60,10 +61,11 @@ class ServerMetrics:
         self.preemptions = counter("jetserve:num_preemptions", "Sequences preempted (to be recomputed).")
         self.draft_tokens = counter("jetserve:spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.accepted_tokens = counter("jetserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.drafts = counter("jetserve:spec_decode_num_drafts", "Draft trees verified (one per sequence per step).")
         self.acceptance_rate = gauge(
             "jetserve:spec_decode_acceptance_rate", "Accepted over proposed draft tokens (0 without drafts)."
         )
-        self._last_totals = {"preemptions": 0, "drafts": 0, "accepted": 0}
+        self._last_totals = {"preemptions": 0, "draft_tokens": 0, "accepted": 0, "drafts": 0}
 
     def finished(self, reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
@@ -108,16 +110,17 @@ class ServerMetrics:
         self.slot_usage.set(1 - slots.num_free_slots / slots.num_usable_slots)
         totals = {
             "preemptions": scheduler.num_preemptions,
-            "drafts": getattr(engine, "num_draft_tokens", 0),
+            "draft_tokens": getattr(engine, "num_draft_tokens", 0),
             "accepted": getattr(engine, "num_accepted_tokens", 0),
+            "drafts": getattr(engine, "num_drafts", 0),
         }
-        for key, metric in (("preemptions", self.preemptions), ("drafts", self.draft_tokens),
-                            ("accepted", self.accepted_tokens)):  # fmt: skip
+        for key, metric in (("preemptions", self.preemptions), ("draft_tokens", self.draft_tokens),
+                            ("accepted", self.accepted_tokens), ("drafts", self.drafts)):  # fmt: skip
             delta = totals[key] - self._last_totals[key]
             if delta > 0:
                 metric.inc(delta)
         self._last_totals = totals
-        self.acceptance_rate.set(totals["accepted"] / totals["drafts"] if totals["drafts"] else 0.0)
+        self.acceptance_rate.set(totals["accepted"] / totals["draft_tokens"] if totals["draft_tokens"] else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -349,18 +349,9 @@ def load_draft_model(
     return model.eval().requires_grad_(False)
 
 
-def make_draft_checkpoint(
-    target_dir: str | Path,
-    out_dir: str | Path,
-    seed: int = 0,
-    draft_vocab_size: int | None = None,
-    dtype: str = "auto",
-) -> Path:
-    """Write a random EAGLE-3 draft for the target checkpoint at `target_dir`, in the SpecForge layout: config.json
-    (LlamaForCausalLMEagle3, the target's attention/MLP sizes, `draft_vocab_size`, eagle_config with the default aux
-    layer ids) and model.safetensors (no embedding: the target's is shared). The draft vocabulary is a random sorted
-    subset of the target's (default min(vocab, 32000) tokens)."""
-    target = ModelConfig.from_hf(target_dir)
+def random_draft_config(target: ModelConfig, draft_vocab_size: int | None = None, dtype: str = "auto") -> dict:
+    """The config.json of a draft for `target` (SpecForge's LlamaForCausalLMEagle3: the target's attention/MLP sizes,
+    `draft_vocab_size` — default min(vocab, 32000) — and eagle_config with the default aux layer ids)."""
     vocab = target.vocab_size
     draft_vocab = min(vocab, 32000) if draft_vocab_size is None else draft_vocab_size
     if not 0 < draft_vocab <= vocab:
@@ -392,10 +383,17 @@ def make_draft_checkpoint(
         "eagle_config": {AUX_LAYER_IDS_KEY: [min(max(i, 0), L - 1) - 1 for i in default_inputs]},
         "torch_dtype": torch_dtype,
     }
+    DraftConfig.from_dict(data)  # validates
+    return data
+
+
+def random_draft_tensors(data: dict, num_target_layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights (fan-in scaled; norms near 1) and a random sorted draft vocabulary for the config `data`."""
     config = DraftConfig.from_dict(data)
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        model = Eagle3DraftModel(config, config.feature_layers(L))
+        model = Eagle3DraftModel(config, config.feature_layers(num_target_layers))
+    torch_dtype, vocab, draft_vocab = data["torch_dtype"], config.vocab_size, config.draft_vocab_size
     tensors = {}
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -409,8 +407,42 @@ def make_draft_checkpoint(
     kept = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values  # [V_d] target ids of the draft vocab
     tensors["d2t"] = kept - torch.arange(draft_vocab)
     tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, kept, True)
+    return tensors
+
+
+def make_draft_checkpoint(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+    dtype: str = "auto",
+) -> Path:
+    """Write a random EAGLE-3 draft for the target checkpoint at `target_dir`, in the SpecForge layout: config.json
+    (`random_draft_config`) and model.safetensors (no embedding: the target's is shared). The draft vocabulary is a
+    random sorted subset of the target's."""
+    target = ModelConfig.from_hf(target_dir)
+    data = random_draft_config(target, draft_vocab_size, dtype)
+    tensors = random_draft_tensors(data, target.num_hidden_layers, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def random_draft_model(
+    target: JetNemotronForCausalLM, seed: int = 0, draft_vocab_size: int | None = None
+) -> Eagle3DraftModel:
+    """A random draft for `target`, built in memory on its device and dtype (benchmarks of random-weight targets)."""
+    data = random_draft_config(target.config, draft_vocab_size, "float32")
+    config = DraftConfig.from_dict(data)
+    embedding = target.model.embed_tokens.weight
+    tensors = random_draft_tensors(data, target.config.num_hidden_layers, seed)
+    model = Eagle3DraftModel(config, config.feature_layers(target.config.num_hidden_layers))
+    model.load_state_dict(tensors, strict=True)
+    model = model.to(device=embedding.device)
+    for param in model.parameters():
+        param.data = param.data.to(embedding.dtype)
+    model.share_embedding(target.model.embed_tokens)
+    model.init_rope(embedding.device, max(config.max_position_embeddings, target.config.max_position_embeddings))
+    return model.eval().requires_grad_(False)

@@ -34,3 +34,24 @@ def test_bench_offline_rejects_bad_arguments():
         run_offline_bench(parse(["--config", "tiny", "--batch-sizes", "1,x", "--device", "cpu"]))
     with pytest.raises(ValueError, match="--output-len"):
         run_offline_bench(parse(["--config", "tiny", "--output-len", "1", "--device", "cpu"]))
+
+
+@pytest.mark.parametrize("forced", ["right", "wrong"])
+def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
+    args = parse(["--config", "tiny", "--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--dtype",
+                  "float32", "--device", "cpu", "--json", "--draft", "random", "--forced-acceptance", forced,
+                  "--no-spec-adaptive", "--spec-steps", "2"])  # fmt: skip
+    assert run_offline_bench(args) == 0
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert r["plain_decode_tok_s"] > 0 and r["spec_decode_tok_s"] > 0
+    assert r["spec_speedup"] == pytest.approx(r["spec_decode_tok_s"] / r["plain_decode_tok_s"], rel=1e-2)
+    assert r["spec_draft_ms"] > 0 and r["spec_verify_ms"] > 0
+    if forced == "right":  # every draft accepted: 2 drafts + the bonus per step
+        assert r["spec_tau"] == 3.0 and r["spec_acceptance_per_depth"] == [1.0, 1.0]
+    else:
+        assert r["spec_tau"] == 1.0 and r["spec_acceptance_per_depth"] == [0.0, 0.0]
+
+
+def test_bench_offline_forced_acceptance_needs_a_draft():
+    with pytest.raises(ValueError, match="--forced-acceptance"):
+        run_offline_bench(parse(["--config", "tiny", "--device", "cpu", "--forced-acceptance", "right"]))

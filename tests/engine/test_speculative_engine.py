@@ -317,12 +317,9 @@ def test_speculation_config_errors(tiny_checkpoint, tiny_model, draft_dir, tmp_p
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(draft=draft_dir, spec_topk=2, spec_steps=3, max_num_batched_tokens=4)
     assert EngineConfig(draft=draft_dir).num_draft_tokens == 4 and EngineConfig().num_draft_tokens == 0
-    # A draft made for another target: its features are narrower than the target's hidden size.
+    # A draft made for another target: its features are narrower than the target's hidden size (64).
     bad = tmp_path / "bad"
     bad.mkdir()
-    config = json.loads((tiny_checkpoint / "config.json").read_text() if hasattr(tiny_checkpoint, "joinpath")
-                        else open(f"{tiny_checkpoint}/config.json").read())  # fmt: skip
-    assert config["hidden_size"] == 64
     draft_config = json.loads(open(f"{draft_dir}/config.json").read())
     (bad / "config.json").write_text(json.dumps(draft_config | {"target_hidden_size": 32}))
     (bad / "model.safetensors").write_bytes(open(f"{draft_dir}/model.safetensors", "rb").read())
@@ -367,3 +364,35 @@ def test_adaptive_policy_cost_model():
     assert choices.count(0) == EXPLORE_EVERY - 1 and 1 in choices  # once: the least recently measured
     fixed = AdaptivePolicy(shapes, adaptive=False)
     assert fixed.choose(256) == 0
+
+
+def test_server_flags_and_metrics(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):
+    """`jetserve serve` gets the speculation flags from EngineConfig; /metrics counts drafts, draft tokens and
+    accepted tokens (τ = 1 + accepted / drafts)."""
+    import argparse
+
+    from jetserve.server.launch import add_serve_arguments, engine_config_from_args
+    from jetserve.server.metrics import ServerMetrics
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--draft", draft_dir, "--spec-topk", "2", "--spec-steps", "3",
+                              "--spec-num-draft-tokens", "6", "--no-spec-adaptive"])  # fmt: skip
+    config = engine_config_from_args(args)
+    assert (config.draft, config.spec_topk, config.spec_steps, config.spec_num_draft_tokens) == (draft_dir, 2, 3, 6)
+    assert config.spec_adaptive is False
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", spec_adaptive=False, **CHAIN)
+    engine.spec.forced_continuations["0"] = prompts[2] + continuations[2]
+    assert run(engine, [prompts[2]], greedy()) == [continuations[2][:MAX_TOKENS]]
+    metrics = ServerMetrics("tiny")
+    metrics.sample_engine(engine, 0.0)
+    text = metrics.render().decode()
+
+    def value(name):
+        line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("jetserve:spec_decode_num_drafts_total") == engine.num_drafts == engine.num_verify_steps
+    assert value("jetserve:spec_decode_num_draft_tokens_total") == engine.num_draft_tokens == 3 * engine.num_drafts
+    assert value("jetserve:spec_decode_num_accepted_tokens_total") == engine.num_accepted_tokens
+    assert value("jetserve:spec_decode_acceptance_rate") == 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_ranks import greedy_run, run_ranks, tensor_parallel_greedy
+from tp_ranks import greedy_run, run_ranks, tensor_parallel_greedy, verify_run
 
 from jetserve.checkpoint import preset_config
 from jetserve.config import ModelConfig
@@ -16,21 +16,24 @@ from jetserve.model.loader import load_model
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 64, 64, 128, 9, 11, 13, 200, 1, 77, 31]]
 NUM_STEPS = 6
+CHAIN = [3, 141, 59, 26]  # draft tokens after PROMPTS[1]; the first 3 nodes (root + 2 drafts) get committed
+NUM_ACCEPTED = 3
 
 
 @pytest.fixture(scope="module")
 def single_process(tiny_checkpoint):
     model = load_model(tiny_checkpoint, dtype="float32", device="cpu")
-    return greedy_run(model, PROMPTS, NUM_STEPS), {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return greedy_run(model, PROMPTS, NUM_STEPS), shapes, verify_run(model, PROMPTS[1], CHAIN, NUM_ACCEPTED)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_checkpoint):
-    return run_ranks(tensor_parallel_greedy, 2, str(tiny_checkpoint), PROMPTS, NUM_STEPS)
+    return run_ranks(tensor_parallel_greedy, 2, str(tiny_checkpoint), PROMPTS, NUM_STEPS, CHAIN, NUM_ACCEPTED)
 
 
 def test_tp2_equals_one_process(single_process, two_ranks):
-    (logits, tokens), _ = single_process
+    (logits, tokens), _, _ = single_process
     for rank, out in enumerate(two_ranks):
         assert out["tokens"] == tokens, f"rank {rank}"
         assert len(out["logits"]) == len(logits)
@@ -44,8 +47,16 @@ def test_tp2_equals_one_process(single_process, two_ranks):
         assert torch.equal(a, b)
 
 
+def test_tp2_verify_and_commit_equal_one_process(single_process, two_ranks):
+    """A VERIFY step over a draft chain, the commit of part of it, and the decode after: same logits."""
+    _, _, want = single_process
+    for rank, out in enumerate(two_ranks):
+        for got, ref in zip(out["verify"], want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=f"rank {rank}")
+
+
 def test_weights_sharded_at_load(single_process, two_ranks):
-    _, full_shapes = single_process
+    _, full_shapes, _ = single_process
     config = ModelConfig.from_dict(preset_config("tiny"))
     jet, dh = config.jet, config.head_dim
     for rank, out in enumerate(two_ranks):

@@ -77,7 +77,29 @@ def greedy_run(model, prompts: list[list[int]], num_steps: int) -> tuple[list[to
     return all_logits, tokens
 
 
-def tensor_parallel_greedy(group, checkpoint: str, prompts: list[list[int]], num_steps: int) -> dict:
+def verify_run(model, prompt: list[int], chain: list[int], num_accepted: int) -> list[torch.Tensor]:
+    """Prefill `prompt[:-1]`, verify the chain [prompt[-1], *chain] (logits at every node), commit its first
+    `num_accepted` nodes, then decode the next node's token: the logits of the verify and of that decode step."""
+    from jetserve.model.static_cache import StaticCache
+
+    cache = StaticCache(model, num_seqs=1, max_tokens=128, page_size=4)
+    nodes = [prompt[-1], *chain]
+    with torch.inference_mode():
+        model(cache.batch([0], [prompt[:-1]]))
+        parents = torch.arange(-1, len(nodes) - 1, dtype=torch.int32)[None]  # [1, T_d]: a chain
+        fb = cache.verify_batch([0], torch.tensor([nodes]), parents)
+        verify_logits = model.compute_logits(model(fb))  # [T_d, V]
+        accepted = torch.arange(len(nodes))[None]  # [1, T_d]
+        model.commit_verified(fb, accepted, torch.tensor([num_accepted]))
+        cache.commit([0], [num_accepted])
+        fb = cache.batch([0], [[nodes[num_accepted]]])
+        decode_logits = model.compute_logits(model(fb))  # [1, V]
+    return [verify_logits.clone(), decode_logits.clone()]
+
+
+def tensor_parallel_greedy(
+    group, checkpoint: str, prompts: list[list[int]], num_steps: int, chain: list[int], num_accepted: int
+) -> dict:
     """Load this rank's shard and run `greedy_run`; also report the parameter shapes and what was read."""
     import jetserve.distributed.loader as loader
 
@@ -124,5 +146,6 @@ def tensor_parallel_greedy(group, checkpoint: str, prompts: list[list[int]], num
     finally:
         loader.open_checkpoint = opened
     logits, tokens = greedy_run(model, prompts, num_steps)
+    verify = verify_run(model, prompts[1], chain, num_accepted)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return {"logits": logits, "tokens": tokens, "shapes": shapes, "reads": reads}
+    return {"logits": logits, "tokens": tokens, "verify": verify, "shapes": shapes, "reads": reads}

@@ -1,4 +1,4 @@
-"""`jetserve eval gsm8k | mmlu | mtbench | compare`: argument parsing and the run → table → JSON flow of each."""
+"""`jetserve eval gsm8k | mmlu | mtbench | mmmu | compare`: argument parsing and the run → table → JSON flow of each."""
 
 from __future__ import annotations
 
@@ -60,6 +60,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     _add_server_args(t, parallel=1, max_tokens=1024)
     t.set_defaults(func=_run_mtbench)
 
+    v = evals.add_parser("mmmu", help="MMMU (images) from a local copy of its parquet files, greedy, reference parsing")
+    _add_server_args(v, parallel=16, max_tokens=64, limit_help="evaluate only the first N questions of each subject")
+    v.add_argument("--data-dir", required=True, help="a local MMMU/MMMU snapshot: <Subject>/<split>-*.parquet")
+    v.add_argument("--split", default="validation", help="dev | validation (test has no public answers)")
+    v.add_argument("--subjects", nargs="+", metavar="SUBJECT", help="default: every subject folder found")
+    v.set_defaults(func=_run_mmmu)
+
     c = evals.add_parser("compare", help="table of results (model + inference → GSM8K, MMLU, τ), flags differences")
     c.add_argument("results", nargs="+", metavar="RESULT.json", help="eval result files; the first row is the baseline")
     c.add_argument("--out", help="also write the comparison as JSON")
@@ -111,6 +118,16 @@ def _run_mtbench(args: argparse.Namespace) -> int:
         model = client.model_name(args.model)
         result = mtbench.run(client, model, args.limit, args.parallel, args.max_tokens, args.label)
     return _finish(result, mtbench.summary_table(result), args.out)
+
+
+def _run_mmmu(args: argparse.Namespace) -> int:
+    from jetserve.evals import mmmu
+
+    with _client(args) as client:
+        model = client.model_name(args.model)
+        result = mmmu.run(client, model, args.data_dir, args.split, args.subjects, args.limit, args.parallel,
+                          args.max_tokens, args.label)  # fmt: skip
+    return _finish(result, mmmu.summary_table(result), args.out)
 
 
 def _run_compare(args: argparse.Namespace) -> int:

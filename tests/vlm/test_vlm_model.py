@@ -93,3 +93,17 @@ def test_checkpoint_layout_and_loading(vlm_checkpoint, tmp_path):
     save_file(extra, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"encoder\.layers\.1\.mlp\.fc2\.bias"):
         load_vision_encoder(bad)
+
+
+def test_make_checkpoint_cli(tmp_path, capsys):
+    from jetserve.checkpoint import preset_config
+    from jetserve.cli import main
+
+    assert main(["make-checkpoint", "--config", "tiny-vlm", "--out", str(tmp_path / "v"), "--num-layers", "2"]) == 0
+    config = VLMConfig.from_hf(tmp_path / "v")
+    assert config.text.num_hidden_layers == 2 and (tmp_path / "v" / "preprocessor_config.json").is_file()
+    assert load_vision_encoder(tmp_path / "v").tokens_per_tile == 9
+    # 2b-vlm has the published shapes (not written here: 2B random weights take minutes).
+    big = VLMConfig.from_dict(preset_config("2b-vlm") | {"image_token_id": 151665, "video_token_id": 151666})
+    assert (big.text.hidden_size, big.vision.hidden_size, big.vision.num_hidden_layers) == (1536, 1152, 27)
+    assert big.vision.tokens_per_tile == 196

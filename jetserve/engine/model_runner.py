@@ -68,7 +68,8 @@ class ModelRunner:
         self.block_table = torch.zeros(
             plan.num_slots, plan.max_pages_per_seq, dtype=torch.int32, device=self.device
         )  # [S, P]
-        self._slot_owner = [-1] * plan.num_slots  # seq_id whose pages/params the slot's rows hold
+        # (seq_id, num_preemptions) whose pages/params the slot's rows hold
+        self._slot_owner: list[tuple[int, int] | None] = [None] * plan.num_slots
         self._slot_synced_pages = [0] * plan.num_slots
         self.sampler = Sampler(plan.num_slots, self.device)
         self._ring_offsets = torch.arange(ring_pages, dtype=torch.int64, device=self.device)  # [R]
@@ -139,7 +140,7 @@ class ModelRunner:
     ) -> None:
         """The draft takes position n of each decoding sequence: (the token just sampled, the feature at n)."""
         spec = self.spec
-        if is_graphed and spec.graphs is not None:
+        if is_graphed and spec.graphs is not None and spec.graphs.fits(tokens.shape[0]):
             spec.graphs.catch_up(tokens, positions, state_indices)
             return
         num_seqs = tokens.shape[0]
@@ -162,22 +163,32 @@ class ModelRunner:
         next_ids = torch.roll(fb.input_ids, -1)  # [T]
         next_ids[ends] = last
         starts = fb.positions[fb.cu_seqlens[:-1].long()]  # [N]
+        # A VLM prompt's image placeholders: the draft sees the image rows the target saw (token t + 1 at position t).
+        draft = self.spec.drafters[0].draft
+        next_embeds = None
+        if draft.config.hidden_size == self.config.hidden_size:
+            images = [s.images for s in batch.seqs]
+            shifted = [start + 1 for start in batch.start_positions]
+            next_embeds = spliced_input_embeds(draft.embed, next_ids, images, shifted, batch.num_new_tokens)
         self.spec.catch_up(
-            next_ids, self.model.aux_hidden_states, fb.cu_seqlens, starts, fb.state_indices.long(), fb.max_seqlen_q
-        )
+            next_ids, self.model.aux_hidden_states, fb.cu_seqlens, starts, fb.state_indices.long(), fb.max_seqlen_q,
+            next_embeds,
+        )  # fmt: skip
 
     def pages_trimmed(self, seqs: list[Sequence]) -> None:
         """After a verify step gave pages back (BlockManager.trim): later pages of these slots must be re-synced."""
         for seq in seqs:
-            if seq.slot > 0 and self._slot_owner[seq.slot] == seq.seq_id:
+            if seq.slot > 0 and self._slot_owner[seq.slot] == (seq.seq_id, seq.num_preemptions):
                 self._slot_synced_pages[seq.slot] = min(self._slot_synced_pages[seq.slot], len(seq.pages))
 
     def _claim_slots(self, seqs: list[Sequence], slots: np.ndarray) -> None:
         """Bring the slot-indexed tables up to date: sampling parameters of newly placed sequences, new pages."""
         rows, cols, pages = [], [], []
         for seq, slot in zip(seqs, slots.tolist(), strict=True):
-            if self._slot_owner[slot] != seq.seq_id:
-                self._slot_owner[slot] = seq.seq_id
+            # A preempted sequence that comes back (into any slot) holds new pages: it is a new owner too.
+            owner = (seq.seq_id, seq.num_preemptions)
+            if self._slot_owner[slot] != owner:
+                self._slot_owner[slot] = owner
                 self._slot_synced_pages[slot] = 0
                 self.sampler.set_slot(slot, seq.sampling_params, seq.seed)
                 if self.spec is not None:

@@ -396,3 +396,65 @@ def test_server_flags_and_metrics(tiny_checkpoint, tiny_model, draft_dir, prompt
     assert value("jetserve:spec_decode_num_draft_tokens_total") == engine.num_draft_tokens == 3 * engine.num_drafts
     assert value("jetserve:spec_decode_num_accepted_tokens_total") == engine.num_accepted_tokens
     assert value("jetserve:spec_decode_acceptance_rate") == 1.0
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: `replay` runs the captured body on the static buffers."""
+
+    def __init__(self, body) -> None:
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+
+
+def _eager_graphs(engine: LLMEngine, sizes: list[int]) -> None:
+    """The engine's graph runners with every graph replaced by its body run eagerly: the static buffers, buckets and
+    padded rows of the graph path, checkable without CUDA."""
+    from jetserve.engine.cuda_graph import GraphRunner, SpecGraphRunner
+
+    runner, spec = engine.runner, engine.spec
+    decode = GraphRunner(runner, sizes)
+    decode.graphs = {B: _EagerGraph(lambda B=B: decode._step(B)) for B in decode.batch_sizes}
+    runner.graph_runner = decode
+    graphs = SpecGraphRunner(spec, sizes)
+    for B in graphs.batch_sizes:
+        graphs.graphs[("catch-up", B)] = _EagerGraph(lambda B=B: graphs._catch_up(B))
+        for s in range(len(spec.shapes)):
+            graphs.graphs[("draft", B, s)] = _EagerGraph(lambda B=B, s=s: graphs._draft(B, s))
+            for g in (True, False):
+                graphs.graphs[("verify", B, s, g)] = _EagerGraph(lambda B=B, s=s, g=g: graphs._verify(B, s, g))
+    spec.graphs = graphs
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_graph_path_with_padded_buckets(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape):
+    """The graph path (static buffers, padded rows in slot 0) run eagerly: greedy output equals plain greedy with
+    forced acceptance and rounds of plain decoding, and sampled output equals the non-graph path's."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", spec_adaptive=False, **shape)
+    _eager_graphs(engine, [1, 2, 4, 8])
+    chosen = [0, 2, 3, 5, 6]  # 5 rows: bucket 8 with 3 padded rows, then fewer as requests finish
+    for i, k in enumerate(chosen):
+        engine.spec.forced_continuations[str(i)] = prompts[k] + continuations[k]
+
+    def before_step(step):
+        engine.spec.policy.forced_option = -1 if step % 4 == 3 else 0
+
+    outs = run(engine, [prompts[i] for i in chosen], greedy(), before_step)
+    assert outs == [continuations[i][:MAX_TOKENS] for i in chosen]
+    assert engine.spec_stats.mean_acceptance_length > 2.0
+    sampled = [SamplingParams(temperature=0.9, top_k=30, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True) for s in
+               range(3)]  # fmt: skip
+    results = []
+    for use_graphs in (True, False):
+        engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **shape)
+        if use_graphs:
+            _eager_graphs(engine, [1, 2, 4])
+        for i, params in enumerate(sampled):
+            engine.add_request(str(i), prompts[i + 1], params)
+        final = {}
+        while engine.has_unfinished_requests():
+            final |= {o.request_id: o.output_token_ids for o in engine.step() if o.finished}
+        assert engine.is_idle_and_clean()
+        results.append([final[str(i)] for i in range(3)])
+    assert results[0] == results[1]

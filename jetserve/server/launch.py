@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jetserve.engine.args import add_engine_arguments, engine_config_from_args
@@ -39,17 +40,29 @@ def build_server(
     allow_image_urls: bool = False,
 ) -> tuple[OpenAIServer, FastAPI]:  # fmt: skip
     """Load the engine and wrap it in the HTTP app (the engine thread starts with the app's lifespan)."""
-    from jetserve.engine.engine import LLMEngine
+    from jetserve.distributed.engine import build_engine
     from jetserve.server.api import OpenAIServer, build_app
     from jetserve.server.async_engine import AsyncEngine
     from jetserve.server.metrics import ServerMetrics
 
-    engine = LLMEngine(config)
-    if engine.tokenizer is None:
-        raise ValueError(f"--model: {config.tokenizer or config.model} has no tokenizer.json; the server needs one")
     names = model_names or [config.model]
     metrics = ServerMetrics(names[0])
-    server = OpenAIServer(AsyncEngine(engine, metrics), engine.tokenizer, names, api_key, metrics, allow_image_urls)
+    if config.data_parallel_size > 1:  # replica processes behind this front end (jetserve.server.router)
+        from jetserve.server.router import DataParallelRouter
+        from jetserve.tokenizer import load_tokenizer
+
+        tokenizer_path = Path(config.tokenizer or config.model)
+        if not (tokenizer_path / "tokenizer.json").is_file():
+            raise ValueError(f"--model: {tokenizer_path} has no tokenizer.json; the server needs one")
+        tokenizer = load_tokenizer(tokenizer_path)
+        engine = DataParallelRouter(config, metrics)
+    else:
+        llm_engine = build_engine(config)  # tensor parallel when config.tensor_parallel_size > 1
+        if llm_engine.tokenizer is None:
+            raise ValueError(f"--model: {config.tokenizer or config.model} has no tokenizer.json; the server needs one")
+        tokenizer = llm_engine.tokenizer
+        engine = AsyncEngine(llm_engine, metrics)
+    server = OpenAIServer(engine, tokenizer, names, api_key, metrics, allow_image_urls)
     return server, build_app(server)
 
 

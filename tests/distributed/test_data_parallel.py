@@ -19,10 +19,8 @@ import uvicorn  # noqa: E402
 from jetserve.engine.config import EngineConfig  # noqa: E402
 from jetserve.llm import LLM  # noqa: E402
 from jetserve.sampling_params import SamplingParams  # noqa: E402
-from jetserve.server.api import OpenAIServer, build_app  # noqa: E402
-from jetserve.server.metrics import ServerMetrics  # noqa: E402
+from jetserve.server.launch import build_server  # noqa: E402
 from jetserve.server.router import DataParallelRouter, EngineStats, replica_config  # noqa: E402
-from jetserve.tokenizer import load_tokenizer  # noqa: E402
 
 BASE = dict(dtype="float32", device="cpu", max_num_seqs=8, max_model_len=256, cpu_cache_bytes=32 << 20)
 PROMPTS = [f"request {i}: " + "the quick brown fox " * (i % 4 + 1) for i in range(8)]
@@ -39,12 +37,12 @@ def metric(base_url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def dp_server(tiny_checkpoint):
     config = EngineConfig(model=str(tiny_checkpoint), data_parallel_size=2, **BASE)
-    metrics = ServerMetrics("tiny")
-    router = DataParallelRouter(config, metrics)
-    server = OpenAIServer(router, load_tokenizer(tiny_checkpoint), ["tiny"], None, metrics)
+    server, app = build_server(config, ["tiny"])  # what `jetserve serve --data-parallel-size 2` builds
+    router = server.engine
+    assert isinstance(router, DataParallelRouter)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

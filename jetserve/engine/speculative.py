@@ -275,9 +275,12 @@ class SpecDecoder:
         starts: torch.Tensor,  # [N] int64: first new position of each sequence
         slots: torch.Tensor,  # [N] int64
         max_seqlen_q: int,
+        next_embeds: torch.Tensor | None = None,  # [T, H]: the embeddings of next_ids where a VLM prompt has images
     ) -> None:
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
-        hidden = self.drafters[0].extend(next_ids, aux_hidden_states, cu_seqlens, starts, kv, max_seqlen_q)  # [N, H]
+        hidden = self.drafters[0].extend(
+            next_ids, aux_hidden_states, cu_seqlens, starts, kv, max_seqlen_q, input_embeds=next_embeds
+        )  # [N, H]
         self.last_hidden[slots] = hidden
 
     # ---- the VERIFY step ----

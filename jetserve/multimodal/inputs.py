@@ -3,12 +3,11 @@ splice of those embeddings into a prefill batch in place of the placeholder toke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 
 @dataclass
@@ -35,15 +34,15 @@ class ImageInputs:
 
 
 def spliced_input_embeds(
-    embedding: nn.Embedding,
+    embedding: Callable[[torch.Tensor], torch.Tensor],
     input_ids: torch.Tensor,
     images: Sequence[ImageInputs | None],
     start_positions: Sequence[int],
     num_new_tokens: Sequence[int],
 ) -> torch.Tensor | None:
-    """The input embeddings [T, hidden] of a packed prefill batch (`input_ids` [T]; sequence i brings positions
-    [start_positions[i], + num_new_tokens[i])) with each image row placed at its placeholder position; None when no
-    chunk of this batch covers an image placeholder (the model embeds the ids itself then)."""
+    """The input embeddings [T, hidden] of a packed prefill batch (`input_ids` [T], embedded by `embedding`; sequence i
+    brings positions [start_positions[i], + num_new_tokens[i])) with each image row placed at its placeholder
+    position; None when no chunk of this batch covers an image placeholder (the ids' own embeddings serve then)."""
     rows: list[np.ndarray] = []
     pieces: list[torch.Tensor] = []
     offset = 0

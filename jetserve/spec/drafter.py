@@ -75,14 +75,16 @@ class Drafter:
         kv: DraftKV,
         max_seqlen_q: int,
         num_valid: torch.Tensor | None = None,
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append draft positions to the draft cache (after a target prefill chunk, or after verification).
 
         input_ids [T] (token t + 1 for draft position t), aux_hidden_states the target's features at those positions
         (one [T, H_t] per `draft.capture_layers`), cu_seqlens [N+1], start_positions [N] (draft position of each
         sequence's first new token), num_valid [N] (only the first num_valid tokens of a sequence are stored and
-        count; default all). Returns the draft output at each sequence's last valid token [N, H]: what `draft_tree`
-        expands.
+        count; default all), input_embeds [T, H] the embeddings of `input_ids` where they are not the draft's own (a VLM
+        prompt's image rows; default: embed `input_ids`). Returns the draft output at each sequence's last valid token
+        [N, H]: what `draft_tree` expands.
         """
         device = input_ids.device
         num_tokens = input_ids.shape[0]
@@ -95,7 +97,7 @@ class Drafter:
         valid = lens if num_valid is None else num_valid.to(device, torch.long)  # [N]
         slots = torch.where(offset < valid[owner], kv.slots(owner, positions), -1)  # padding writes nothing
         fb = self._prefill_batch(positions, cu, starts + lens, slots, kv.block_tables, max_seqlen_q)
-        hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb)  # [T, H]
+        hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb, input_embeds)  # [T, H]
         return hidden[cu[:-1] + valid - 1]
 
     def extend_after_verify(

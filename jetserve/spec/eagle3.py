@@ -260,10 +260,15 @@ class Eagle3DraftModel(nn.Module):
         features = torch.cat([aux_hidden_states[i] for i in self._feature_index], dim=-1)  # [T, 3 H_t]
         return self.fc(features.to(self.fc.weight.dtype))
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, input_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [T] (target vocabulary), hidden [T, H] (`project_features` of the target's features, or this
-        model's own output at the parent token) → the output [T, H] that the next draft step takes as `hidden`."""
-        return self.midlayer(self.embed(input_ids), hidden, fb)
+        model's own output at the parent token) → the output [T, H] that the next draft step takes as `hidden`.
+        `input_embeds` [T, H] replaces the embedding of `input_ids` (a VLM prompt's rows, image embeddings included,
+        as the target saw them)."""
+        embeds = self.embed(input_ids) if input_embeds is None else input_embeds  # [T, H]
+        return self.midlayer(embeds, hidden, fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] → draft-vocabulary logits [T, V_d] fp32."""

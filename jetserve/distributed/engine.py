@@ -13,7 +13,7 @@ import torch
 
 from jetserve.config import ModelConfig
 from jetserve.distributed.group import TensorParallelGroup, free_port, init_tensor_parallel
-from jetserve.distributed.loader import load_sharded_model
+from jetserve.distributed.loader import load_sharded_model, random_sharded_model
 from jetserve.distributed.sharding import check_tensor_parallel
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine, resolve_device
@@ -52,7 +52,11 @@ class TensorParallelEngine(LLMEngine):
         group: TensorParallelGroup,
         tokenizer: object | None = None,
         workers: list[mp.process.BaseProcess] | None = None,
+        random_config: str | None = None,
+        seed: int = 0,
     ) -> None:
+        """`random_config` (a preset name or config JSON; benchmarks) draws random weights instead of loading
+        `config.model`."""
         if group.world_size != config.tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size: {config.tensor_parallel_size}, but the process group has {group.world_size}"
@@ -61,7 +65,13 @@ class TensorParallelEngine(LLMEngine):
         self._workers = workers or []
         self._message = StepMessage()
         self._is_shut_down = False
-        model = load_sharded_model(config.model, group, dtype=config.dtype)
+        if random_config is not None:
+            from jetserve.checkpoint import preset_config
+
+            model_config = ModelConfig.from_dict(preset_config(random_config))
+            model = random_sharded_model(model_config, group, config.dtype, seed)
+        else:
+            model = load_sharded_model(config.model, group, dtype=config.dtype)
         super().__init__(config, model=model, tokenizer=tokenizer)
         if self.spec is not None:
             record = self.spec.record_step
@@ -156,37 +166,50 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _worker_main(rank: int, config: EngineConfig, port: int, num_threads: int) -> None:
+def _worker_main(
+    rank: int, config: EngineConfig, port: int, num_threads: int, random_config: str | None, seed: int
+) -> None:
     torch.set_num_threads(num_threads)
     group = init_tensor_parallel(rank, config.tensor_parallel_size, port, rank_device(config, rank))
-    engine = TensorParallelEngine(config, group)
+    engine = TensorParallelEngine(config, group, random_config=random_config, seed=seed)
     try:
         engine.serve_steps()
     finally:
         group.destroy()
 
 
-def build_engine(config: EngineConfig, tokenizer: object | None = None) -> LLMEngine:
+def build_engine(
+    config: EngineConfig, tokenizer: object | None = None, random_config: str | None = None, seed: int = 0
+) -> LLMEngine:
     """The engine `config` describes: an LLMEngine, or with `tensor_parallel_size` N > 1 rank 0's
-    TensorParallelEngine in this process and ranks 1..N-1 spawned (one process each, on the next devices)."""
+    TensorParallelEngine in this process and ranks 1..N-1 spawned (one process each, on the next devices).
+    `random_config` (tensor parallel only; benchmarks): random weights of that preset or config JSON."""
     if config.data_parallel_size > 1:
         raise ValueError(
             "data_parallel_size: replicas are the server's (jetserve serve --data-parallel-size); an engine is one"
         )
     if config.tensor_parallel_size == 1:
+        assert random_config is None, "random weights in one process: jetserve.engine.bench_offline.random_model"
         return LLMEngine(config, tokenizer=tokenizer)
-    if not config.model:
+    if random_config is not None:
+        from jetserve.checkpoint import preset_config
+
+        model_config = ModelConfig.from_dict(preset_config(random_config))
+    elif not config.model:
         raise ValueError("model: tensor parallelism loads each rank's shard from a checkpoint folder")
-    check_tensor_parallel(ModelConfig.from_hf(config.model), config.tensor_parallel_size)
+    else:
+        model_config = ModelConfig.from_hf(config.model)
+    check_tensor_parallel(model_config, config.tensor_parallel_size)
     devices = [rank_device(config, r) for r in range(config.tensor_parallel_size)]  # fail before spawning
     port = free_port()
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_worker_main, args=(r, config, port, torch.get_num_threads()), daemon=True,
-                           name=f"jetserve-tp{r}") for r in range(1, config.tensor_parallel_size)]  # fmt: skip
+    args = (config, port, torch.get_num_threads(), random_config, seed)
+    workers = [ctx.Process(target=_worker_main, args=(r, *args), daemon=True, name=f"jetserve-tp{r}")
+               for r in range(1, config.tensor_parallel_size)]  # fmt: skip
     for worker in workers:
         worker.start()
     group = init_tensor_parallel(0, config.tensor_parallel_size, port, devices[0])
-    engine = TensorParallelEngine(config, group, tokenizer, workers)
+    engine = TensorParallelEngine(config, group, tokenizer, workers, random_config, seed)
     atexit.register(engine.shutdown)
     logger.info("tensor parallel: %d ranks on %s", config.tensor_parallel_size, ", ".join(map(str, devices)))
     return engine

@@ -3,6 +3,8 @@ safetensors file (`get_slice`), so no rank ever holds a full sharded tensor."""
 
 from __future__ import annotations
 
+import math
+import zlib
 from pathlib import Path
 
 import torch
@@ -59,5 +61,37 @@ def load_sharded_model(
         shown = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise CheckpointError(f"{path}: tensor(s) the model does not use: {shown} (pass ignore_unused to load anyway)")
     model.load_state_dict(loaded, strict=False, assign=True)
+    model.init_rope(group.device)
+    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def random_sharded_model(
+    config: ModelConfig, group: TensorParallelGroup, dtype: str | torch.dtype = "auto", seed: int = 0
+) -> JetNemotronForCausalLM:
+    """This rank's shard of a model with random weights drawn on `group.device` (benchmarks: speed does not depend
+    on the values). Each tensor is drawn from its own seed, so the tensors every rank holds whole are the same."""
+    torch_dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = JetNemotronForCausalLM(config)
+    specs = shard_model(model, group)
+    model = model.to_empty(device=group.device)
+    for name, param in model.named_parameters():
+        gen = torch.Generator(device=group.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            param.uniform_(1.0, 16.0, generator=gen).log_()
+        elif leaf == "dt_bias":
+            dt = torch.empty_like(param).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+            param.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(dt)
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            param.normal_(1.0, 0.1, generator=gen)
+        elif leaf == "bias":
+            param.normal_(0.0, 0.1, generator=gen)
+        else:
+            spec = specs[name]
+            fan_in = param.shape[-1] * (group.world_size if spec.dim == 1 else 1)
+            fan_in = config.hidden_size if name.endswith("embed_tokens.weight") else fan_in
+            param.normal_(0.0, fan_in**-0.5, generator=gen)
     model.init_rope(group.device)
     return cast_model(model, torch_dtype).eval().requires_grad_(False)

@@ -37,6 +37,9 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over (one process each)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per result instead of a table")
     spec = p.add_argument_group("speculative decoding (each batch size also decodes plainly, for the speed-up)")
     spec.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft folder, or `random` (a random draft in memory)")
@@ -88,6 +91,42 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         raise ValueError("--forced-acceptance: needs --draft")
     kwargs = _engine_kwargs(args, batch_sizes)
     forced = getattr(args, "forced_acceptance", None)
+    tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
+    if tensor_parallel_size > 1:
+        engine = _tensor_parallel_engine(args, device, kwargs, tensor_parallel_size)
+    else:
+        engine = _engine(args, device, kwargs, draft_arg, forced)
+    try:
+        bandwidth = measure_copy_bandwidth(device)
+        tflops = measure_gemm_tflops(device, engine.runner.dtype)
+        results = []
+        for batch_size in batch_sizes:
+            result = bench_batch(engine, batch_size, args.input_len, args.output_len, bandwidth, tflops, args.seed)
+            results.append(result)
+            if args.json:
+                print(json.dumps(asdict(result)), flush=True)
+    finally:
+        if hasattr(engine, "shutdown"):  # tensor parallel: stop the other ranks
+            engine.shutdown()
+    if not args.json:
+        print_table(results)
+    if args.plot:
+        plot(results, args.plot, engine.model_config)
+    return 0
+
+
+def _tensor_parallel_engine(args: argparse.Namespace, device: torch.device, kwargs: dict, size: int) -> LLMEngine:
+    """Rank 0's engine of `size` ranks (jetserve.distributed); per-rank rooflines follow from its local shard."""
+    from jetserve.distributed.engine import build_engine
+
+    if getattr(args, "draft", None):
+        raise ValueError("--tensor-parallel-size: not with --draft here (the bench steers one process's draft policy)")
+    config = EngineConfig(model=args.model or "", dtype=args.dtype, device=str(device), tensor_parallel_size=size,
+                          **kwargs)  # fmt: skip
+    return build_engine(config, random_config=args.config, seed=args.seed)
+
+
+def _engine(args: argparse.Namespace, device: torch.device, kwargs: dict, draft_arg, forced) -> LLMEngine:
     if args.model:
         model = tokenizer = None
         if draft_arg == "random":
@@ -103,20 +142,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         from jetserve.spec.eagle3 import random_draft_model
 
         draft = random_draft_model(model, seed=args.seed)
-    engine = LLMEngine(config, model=model, tokenizer=tokenizer, draft=draft, forced_acceptance=forced)
-    bandwidth = measure_copy_bandwidth(device)
-    tflops = measure_gemm_tflops(device, engine.runner.dtype)
-    results = []
-    for batch_size in batch_sizes:
-        result = bench_batch(engine, batch_size, args.input_len, args.output_len, bandwidth, tflops, args.seed)
-        results.append(result)
-        if args.json:
-            print(json.dumps(asdict(result)), flush=True)
-    if not args.json:
-        print_table(results)
-    if args.plot:
-        plot(results, args.plot, engine.model_config)
-    return 0
+    return LLMEngine(config, model=model, tokenizer=tokenizer, draft=draft, forced_acceptance=forced)
 
 
 def _parse_batch_sizes(text: str) -> list[int]:

@@ -458,3 +458,25 @@ def test_graph_path_with_padded_buckets(tiny_checkpoint, tiny_model, draft_dir, 
         assert engine.is_idle_and_clean()
         results.append([final[str(i)] for i in range(3)])
     assert results[0] == results[1]
+
+
+def test_adaptive_speculation_with_greedy_and_sampled_rows(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations
+):
+    """Adaptive speculation (the default) measures every option and keeps greedy rows exact when sampled rows share
+    their batches."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", **TREE)
+    assert engine.config.spec_adaptive
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i in range(4):
+        engine.spec.forced_continuations[str(i)] = prompts[i] + continuations[i]
+        engine.add_request(str(i), prompts[i], greedy() if i % 2 == 0 else sampled)
+    final = {}
+    while engine.has_unfinished_requests():
+        final |= {o.request_id: o.output_token_ids for o in engine.step() if o.finished}
+    assert engine.is_idle_and_clean()
+    assert final["0"] == continuations[0][:MAX_TOKENS] and final["2"] == continuations[2][:MAX_TOKENS]
+    assert all(len(final[str(i)]) == MAX_TOKENS for i in (1, 3))
+    measured = {option for option, _ in engine.spec.policy.step_seconds}
+    assert measured == {0, 1, -1}
+    assert engine.num_verify_steps > 0

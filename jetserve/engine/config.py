@@ -79,9 +79,9 @@ class EngineConfig:
                 f"spec_num_draft_tokens: {n} must be in [2, {largest}] for spec_topk {topk} and spec_steps {steps} "
                 f"(the root plus at most topk + (steps - 1) * topk^2 drafted candidates)"
             )
-        if self.num_draft_tokens > self.max_num_batched_tokens:
+        if self.draft_tree_size > self.max_num_batched_tokens:
             raise ValueError(
-                f"spec_num_draft_tokens: {self.num_draft_tokens} exceeds max_num_batched_tokens "
+                f"spec_num_draft_tokens: {self.draft_tree_size} exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}), so no verify step could run"
             )
 
@@ -91,7 +91,7 @@ class EngineConfig:
         return self.spec_topk or 1, self.spec_steps or 3
 
     @property
-    def num_draft_tokens(self) -> int:
+    def draft_tree_size(self) -> int:
         """Tree nodes of the largest verify step, root included (0 without a draft); sizes the SWA ring."""
         if not self.draft:
             return 0

@@ -89,7 +89,7 @@ class LLMEngine:
         self.spec: SpecDecoder | None = None
         if draft is not None:
             topk, steps = config.speculation
-            shapes = draft_shapes(topk, steps, config.num_draft_tokens)
+            shapes = draft_shapes(topk, steps, config.draft_tree_size)
             self.spec = SpecDecoder(self.runner, draft, shapes, config.spec_adaptive, forced_acceptance)
             self.runner.attach_spec(self.spec)
         self.scheduler = Scheduler(
@@ -112,7 +112,7 @@ class LLMEngine:
     def _plan(self, model: JetNemotronForCausalLM, device: torch.device, dtype: torch.dtype) -> MemoryPlan:
         config = self.config
         activation_bytes = 0
-        num_logit_rows = config.max_num_seqs * max(1, config.num_draft_tokens)
+        num_logit_rows = config.max_num_seqs * max(1, config.draft_tree_size)
         if device.type == "cuda" and (config.num_pages is None or config.num_slots is None):
             activation_bytes = profile_activation_bytes(
                 model, config.max_num_batched_tokens, config.max_num_seqs, num_logit_rows

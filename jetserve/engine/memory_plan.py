@@ -85,7 +85,7 @@ def plan_memory(
             f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
             f"({model_config.max_position_embeddings})"
         )
-    num_draft_tokens = ec.num_draft_tokens
+    num_draft_tokens = ec.draft_tree_size
     ring_tokens = ring_tokens_for(model_config, page_size, num_draft_tokens, max_model_len)
     page_bytes = page_bytes_for(model_config, page_size, dtype) + draft_page_bytes
     slot_bytes = slot_bytes_for(model_config, ring_tokens, dtype)

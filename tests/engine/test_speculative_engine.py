@@ -316,7 +316,7 @@ def test_speculation_config_errors(tiny_checkpoint, tiny_model, draft_dir, tmp_p
         EngineConfig(draft=draft_dir, spec_steps=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(draft=draft_dir, spec_topk=2, spec_steps=3, max_num_batched_tokens=4)
-    assert EngineConfig(draft=draft_dir).num_draft_tokens == 4 and EngineConfig().num_draft_tokens == 0
+    assert EngineConfig(draft=draft_dir).draft_tree_size == 4 and EngineConfig().draft_tree_size == 0
     # A draft made for another target: its features are narrower than the target's hidden size (64).
     bad = tmp_path / "bad"
     bad.mkdir()

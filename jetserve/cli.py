@@ -1,4 +1,4 @@
-"""The `jetserve` command: generate | make-checkpoint (serve, bench and eval join as they land)."""
+"""The `jetserve` command: generate | make-checkpoint | serve | bench offline|serving | eval."""
 
 from __future__ import annotations
 

@@ -99,3 +99,9 @@ def test_llm_refuses_a_built_model_with_parallelism(tiny_checkpoint):
     model = load_model(tiny_checkpoint, dtype="float32")
     with pytest.raises(ValueError, match="model_instance"):
         LLM(str(tiny_checkpoint), model_instance=model, tensor_parallel_size=2, **BASE)
+
+
+def test_plain_engine_refuses_parallel_configs(tiny_checkpoint):
+    for field in ("tensor_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match="an LLMEngine is one process"):
+            LLMEngine(EngineConfig(model=str(tiny_checkpoint), **{field: 2}, **BASE))

@@ -22,7 +22,7 @@ class LLM:
     ) -> None:
         config = EngineConfig(model=model, **engine_args)
         if model_instance is None:
-            from jetserve.distributed.engine import build_engine  # tensor parallel when the config asks for it
+            from jetserve.engine.tensor_parallel import build_engine  # tensor parallel when the config asks for it
 
             self.engine = build_engine(config, tokenizer)
         elif config.tensor_parallel_size > 1 or config.data_parallel_size > 1:

@@ -1,1 +1,2 @@
-"""Tensor parallelism: process groups, the sharded layers, weight sharding at load, and the multi-rank engine."""
+"""Tensor parallelism: process groups, the sharded layers and weight sharding at load (the multi-rank engine that
+uses them is `jetserve.engine.tensor_parallel`)."""

@@ -117,7 +117,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
 
 def _tensor_parallel_engine(args: argparse.Namespace, device: torch.device, kwargs: dict, size: int) -> LLMEngine:
     """Rank 0's engine of `size` ranks (jetserve.distributed); per-rank rooflines follow from its local shard."""
-    from jetserve.distributed.engine import build_engine
+    from jetserve.engine.tensor_parallel import build_engine
 
     if getattr(args, "draft", None):
         raise ValueError("--tensor-parallel-size: not with --draft here (the bench steers one process's draft policy)")

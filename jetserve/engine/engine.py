@@ -62,7 +62,7 @@ class LLMEngine:
         if config.data_parallel_size > 1 or (config.tensor_parallel_size > 1 and not hasattr(model, "tensor_parallel")):
             raise ValueError(
                 "tensor_parallel_size/data_parallel_size: an LLMEngine is one process; build parallel engines with "
-                "jetserve.distributed.engine.build_engine (tensor) or serve with --data-parallel-size (replicas)"
+                "jetserve.engine.tensor_parallel.build_engine (tensor) or serve with --data-parallel-size (replicas)"
             )
         if model is None:
             from jetserve.model.loader import load_model

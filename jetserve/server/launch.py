@@ -40,7 +40,7 @@ def build_server(
     allow_image_urls: bool = False,
 ) -> tuple[OpenAIServer, FastAPI]:  # fmt: skip
     """Load the engine and wrap it in the HTTP app (the engine thread starts with the app's lifespan)."""
-    from jetserve.distributed.engine import build_engine
+    from jetserve.engine.tensor_parallel import build_engine
     from jetserve.server.api import OpenAIServer, build_app
     from jetserve.server.async_engine import AsyncEngine
     from jetserve.server.metrics import ServerMetrics

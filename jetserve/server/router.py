@@ -93,7 +93,7 @@ def _replica_main(config: EngineConfig, conn, num_threads: int) -> None:
     ("ready", max_model_len) | ("failed", traceback) once; then ("outputs", outputs, rejections, stats, step_s)."""
     import torch
 
-    from jetserve.distributed.engine import build_engine
+    from jetserve.engine.tensor_parallel import build_engine
 
     torch.set_num_threads(num_threads)
     try:

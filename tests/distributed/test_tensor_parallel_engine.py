@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetserve.distributed.engine import TensorParallelEngine, build_engine
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.tensor_parallel import TensorParallelEngine, build_engine
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from jetserve.checkpoint import make_checkpoint
-from jetserve.distributed.engine import TensorParallelEngine, build_engine
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.tensor_parallel import TensorParallelEngine, build_engine
 from jetserve.sampling_params import SamplingParams
 
 pytestmark = [

@@ -1,5 +1,6 @@
-"""The tensor-parallel engine: one process per rank, each with an identical LLMEngine over its shard; rank 0 takes
-the requests and, before every step, broadcasts what changed (new requests, aborts, its measured step times)."""
+"""The tensor-parallel engine: one process per rank, each with an identical LLMEngine over its shard (built by
+`jetserve.distributed`); rank 0 takes the requests and, before every step, broadcasts what changed (new requests,
+aborts, its measured step times)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from jetserve.evals.results import Z95, format_table, percent
 
-EVALS = ("gsm8k", "mmlu", "mtbench")
+EVALS = ("gsm8k", "mmlu", "mmmu", "mtbench")
 # Config keys that change the measurement (not just how fast it was taken).
 _NEUTRAL_CONFIG_KEYS = ("parallel",)
 
@@ -47,9 +47,9 @@ def group_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _score(result: dict[str, Any], metric: str) -> tuple[float, int] | None:
-    """(accuracy, number of questions) of `metric`: gsm8k flexible/strict, mmlu overall."""
+    """(accuracy, number of questions) of `metric`: gsm8k flexible/strict, mmlu and mmmu overall."""
     m = result["metrics"]
-    summary = m["overall"] if metric == "mmlu" else m[metric.split(":")[1]]
+    summary = m["overall"] if metric in ("mmlu", "mmmu") else m[metric.split(":")[1]]
     if summary.get("accuracy") is None:
         return None
     return summary["accuracy"], summary["num_total"]
@@ -68,6 +68,8 @@ def _changed_answers(base: dict[str, Any], other: dict[str, Any]) -> tuple[int, 
         key, value = (lambda s: s["index"]), (lambda s: s["text"])
     elif base["eval"] == "mmlu":
         key, value = (lambda s: (s["subject"], s["index"])), (lambda s: s["predicted"])
+    elif base["eval"] == "mmmu":
+        key, value = (lambda s: s["id"]), (lambda s: str(s["predicted"]))
     else:
         return None
     a = {key(s): value(s) for s in base.get("samples", [])}
@@ -84,7 +86,7 @@ def _config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
             if a["config"].get(k) != b["config"].get(k)]  # fmt: skip
 
 
-COLUMNS = (("gsm8k:flexible", "GSM8K %"), ("gsm8k:strict", "GSM8K strict %"), ("mmlu", "MMLU %"))
+COLUMNS = (("gsm8k:flexible", "GSM8K %"), ("gsm8k:strict", "GSM8K strict %"), ("mmlu", "MMLU %"), ("mmmu", "MMMU %"))
 
 
 def compare(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -21,6 +21,12 @@ def _mmlu(label, correct, n):
             "metrics": {"overall": accuracy(correct, n)}, "samples": []}  # fmt: skip
 
 
+def _mmmu(label, correct, n, predicted=()):
+    samples = [{"id": f"q{i}", "predicted": p} for i, p in enumerate(predicted)]
+    return {"eval": "mmmu", "model": "jet-2b-vlm", "label": label, "config": {"split": "validation"},
+            "metrics": {"overall": accuracy(correct, n)}, "samples": samples}  # fmt: skip
+
+
 def _mtbench(label, tau, tps):
     return {"eval": "mtbench", "model": "jet-2b", "label": label, "config": {},
             "metrics": {"speculation": {"tau": tau}, "output_tokens_per_s": tps}}  # fmt: skip
@@ -46,12 +52,23 @@ def test_rows_and_flags():
     assert spec["tau"] == 3.21 and base["tau"] is None
     text = format_comparison(comparison)
     lines = text.splitlines()
-    assert lines[0].split() == ["model", "inference", "GSM8K", "%", "GSM8K", "strict", "%", "MMLU", "%", "τ",
-                                "MT-bench", "tok/s"]  # fmt: skip
-    assert lines[2].split() == ["jet-2b", "standard", "76.0", "75.0", "60.0", "-", "80.0"]
-    assert lines[3].split() == ["jet-2b", "EAGLE-3", "75.5", "74.5", "55.0*", "3.21", "190.5"]
+    assert lines[0].split() == ["model", "inference", "GSM8K", "%", "GSM8K", "strict", "%", "MMLU", "%", "MMMU", "%",
+                                "τ", "MT-bench", "tok/s"]  # fmt: skip
+    assert lines[2].split() == ["jet-2b", "standard", "76.0", "75.0", "60.0", "-", "-", "80.0"]
+    assert lines[3].split() == ["jet-2b", "EAGLE-3", "75.5", "74.5", "55.0*", "-", "3.21", "190.5"]
     assert "mmlu EAGLE-3 vs standard: -5.0 points, beyond the 95% interval of the difference (±1.4)" in text
     assert "gsm8k EAGLE-3 vs standard: 1 of 3 answers differ" in text
+
+
+def test_mmmu_column_and_changed_answers():
+    base = _mmmu("standard", 371, 900, ["A", "B", ["1", "2"]]) | {"path": "a"}
+    spec = _mmmu("EAGLE-3", 371, 900, ["A", "C", ["1", "2"]]) | {"path": "b"}
+    comparison = compare([base, spec])
+    assert comparison["rows"][1]["mmmu"] == {"accuracy": 371 / 900, "num": 900, "flag": False, "delta": 0.0,
+                                             "ci95_half_width": pytest.approx(0.04548, abs=1e-4)}  # fmt: skip
+    text = format_comparison(comparison)
+    assert text.splitlines()[2].split()[5] == "41.2"
+    assert "mmmu EAGLE-3 vs standard: 1 of 3 answers differ" in text
 
 
 def test_no_flag_without_a_difference():

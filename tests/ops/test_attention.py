@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import triton
 
+from jetserve import envs
 from jetserve.ops.attention import reference as ref
 
 
@@ -363,20 +363,12 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture
-def triton_attention(monkeypatch: pytest.MonkeyPatch):
-    """The Triton variants; every new floating-point tensor is NaN-filled while a test runs, so unwritten outputs
-    fail."""
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+def triton_attention(poisoned_empty):
+    """The Triton variants, with every new floating-point tensor NaN-filled while a test runs."""
+    if DEVICE == "cpu" and not envs.triton_interpret():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     from jetserve.ops.attention import decode, kv_store, prefill, rope
 
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs) -> torch.Tensor:
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
     return SimpleNamespace(
         apply_rope=rope.apply_rope,
         attention_prefill=prefill.attention_prefill,

@@ -11,6 +11,7 @@ from jetserve.ops.attention import decode, kv_store, prefill, reference, rope
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("poisoned_empty"),  # new outputs start as NaN (tests/ops/conftest.py)
 ]
 
 HK, DH, PAGE = 2, 128, 16

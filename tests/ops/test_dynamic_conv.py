@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+import torch.nn.functional as F
+import triton
 
-# `@triton.jit` (ours and triton's own library functions) picks the interpreter when it decorates, so this must run
-# before triton is imported; tests/conftest.py does the same for the whole session. Kept here so the module also runs
-# on its own.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-
-from jetserve.ops.dynamic_conv import reference as ref  # noqa: E402
-from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit  # noqa: E402
-from jetserve.ops.dynamic_conv.decode import dynamic_conv_decode  # noqa: E402
-from jetserve.ops.dynamic_conv.prefill import dynamic_conv_prefill  # noqa: E402
-from jetserve.ops.dynamic_conv.verify import dynamic_conv_verify  # noqa: E402
+from jetserve.ops.dynamic_conv import reference as ref
+from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit
+from jetserve.ops.dynamic_conv.decode import dynamic_conv_decode
+from jetserve.ops.dynamic_conv.prefill import dynamic_conv_prefill
+from jetserve.ops.dynamic_conv.verify import dynamic_conv_verify
 
 SENTINEL = 1234.5  # fills slots an op must neither read nor write
 
@@ -269,11 +260,13 @@ def test_reference_rejects_mismatched_shapes() -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-# Triton was imported above; if the interpreter was off then (a CUDA machine), these kernels are compiled and the GPU
-# module covers them.
+# tests/conftest.py turns the interpreter on before triton is imported, unless CUDA is present: then these kernels
+# are compiled and the GPU module covers them.
 interpreted = pytest.mark.skipif(
     not triton.knobs.runtime.interpret, reason="Triton kernels were compiled for the GPU, not interpreted"
 )
+# New outputs start as NaN (tests/ops/conftest.py), so one a kernel leaves unwritten fails.
+poisoned = pytest.mark.usefixtures("poisoned_empty")
 
 
 def poisoned_pool(num_slots: int, width: int, d: int, live: list[int], dtype: torch.dtype, seed: int = 1):
@@ -296,6 +289,7 @@ def assert_pools_match(pool: torch.Tensor, expect: torch.Tensor, dead: list[int]
     [(4, 40, 20, torch.float32), (3, 24, 8, torch.float32), (2, 24, 16, torch.float32), (4, 24, 20, torch.float16)],
 )
 @interpreted
+@poisoned
 def test_triton_prefill_matches_reference(width: int, d: int, g: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(width * 100 + d)
     lengths = [1, 2, 3, 4, 5, 17, 0, 33, 2]
@@ -322,6 +316,7 @@ def test_triton_prefill_matches_reference(width: int, d: int, g: int, dtype: tor
 
 
 @interpreted
+@poisoned
 def test_triton_prefill_strided_inputs() -> None:
     """u and h may be column slices of a fused projection output (row stride > D)."""
     width, d, g = 4, 24, 12
@@ -341,6 +336,7 @@ def test_triton_prefill_strided_inputs() -> None:
 
 
 @interpreted
+@poisoned
 @pytest.mark.parametrize(("width", "dtype"), [(4, torch.float32), (3, torch.float32), (4, torch.float16)])
 def test_triton_decode_matches_reference(width: int, dtype: torch.dtype) -> None:
     d, g, num_seqs, num_steps = 40, 20, 19, 3
@@ -369,6 +365,7 @@ def test_triton_decode_matches_reference(width: int, dtype: torch.dtype) -> None
 
 
 @interpreted
+@poisoned
 @pytest.mark.parametrize(("chain", "dtype"), [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
 def test_triton_verify_matches_reference_and_reads_only(chain: bool, dtype: torch.dtype) -> None:
     num_seqs, num_nodes, width, d, g = 3, 7, 4, 24, 20
@@ -387,6 +384,7 @@ def test_triton_verify_matches_reference_and_reads_only(chain: bool, dtype: torc
 
 
 @interpreted
+@poisoned
 @pytest.mark.parametrize("width", [4, 2])
 def test_triton_commit_matches_reference(width: int) -> None:
     num_seqs, num_nodes, d = 5, 6, 40
@@ -409,11 +407,10 @@ def test_triton_commit_matches_reference(width: int) -> None:
 
 
 @interpreted
+@poisoned
 def test_triton_verify_commit_rounds_equal_prefill() -> None:
     """Rounds accepting 3, 1, 4, 1, 2 nodes of random trees, on the Triton ops, end in the window and outputs of one
     reference prefill of every accepted token."""
-    from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit
-
     num_nodes, width, d, g = 6, 4, 24, 8
     gen = torch.Generator().manual_seed(19)
     w2_weight, w2_bias = make_weights(d, g, width)
@@ -449,6 +446,7 @@ def test_triton_verify_commit_rounds_equal_prefill() -> None:
 
 
 @interpreted
+@poisoned
 def test_public_functions_dispatch_on_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     import jetserve.ops.dynamic_conv as dynamic_conv
     from jetserve.ops import backend
@@ -475,6 +473,7 @@ def test_public_functions_dispatch_on_backend(monkeypatch: pytest.MonkeyPatch) -
 
 
 @interpreted
+@poisoned
 @pytest.mark.parametrize("variant", ["reference", "triton"])
 def test_empty_batch_is_a_no_op(variant: str) -> None:
     ops = {

@@ -10,6 +10,7 @@ from jetserve.ops.dynamic_conv import reference as ref
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("poisoned_empty"),  # new outputs start as NaN (tests/ops/conftest.py)
 ]
 
 WIDTH = 4

@@ -15,7 +15,11 @@ from test_gated_delta_rule import (
 
 from jetserve.ops.gated_delta_rule import decode, reference, tree
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("poisoned_empty"),  # new outputs start as NaN (tests/ops/conftest.py)
+]
 
 SHAPES = {"2b": (12, 96, 256), "4b": (16, 128, 256)}  # H, K, V
 DEVICE = "cuda"

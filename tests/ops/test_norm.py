@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from jetserve import envs
 from jetserve.ops.norm import reference as ref
 
 
@@ -108,19 +107,12 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture
-def kernels(monkeypatch: pytest.MonkeyPatch):
-    """The Triton module; every new floating-point tensor is NaN-filled while a test runs, so unwritten outputs fail."""
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+def kernels(poisoned_empty):
+    """The Triton module, with every new floating-point tensor NaN-filled while a test runs."""
+    if DEVICE == "cpu" and not envs.triton_interpret():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     from jetserve.ops.norm import kernels as module
 
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
     return module
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from jetserve import envs
 from jetserve.ops.sampling import reference as ref
 
 # Chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails one test in 1000 seeds;
@@ -179,19 +178,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
-def kernels(monkeypatch: pytest.MonkeyPatch):
-    """The Triton module; every new floating-point tensor is NaN-filled while a test runs, so unwritten outputs fail."""
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+def kernels(poisoned_empty):
+    """The Triton module, with every new floating-point tensor NaN-filled while a test runs."""
+    if DEVICE == "cpu" and not envs.triton_interpret():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     from jetserve.ops.sampling import kernels as module
 
-    empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs) -> torch.Tensor:
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
     return module
 
 

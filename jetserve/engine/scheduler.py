@@ -27,10 +27,10 @@ class Batch:
     phase: Phase
     seqs: list[Sequence]
     num_new_tokens: list[int]
-    start_positions: list[int] = field(default_factory=list)
-    is_sampling: list[bool] = field(default_factory=list)
     num_draft_tokens: int = 0  # VERIFY: tree nodes per sequence (T_d), root included
     draft_shape: int = -1  # VERIFY: which of the speculative decoder's draft shapes
+    start_positions: list[int] = field(init=False)  # [N]: each sequence's num_computed_tokens when scheduled
+    is_sampling: list[bool] = field(init=False)  # [N]: the step reaches the sequence's last token
 
     def __post_init__(self) -> None:
         assert len(self.seqs) == len(self.num_new_tokens) and self.seqs
@@ -177,15 +177,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             if not sampled:
                 continue
-            seq.token_ids.append(token)
+            self._append_token(seq, token)
             updated.append(seq)
-            params = seq.sampling_params
-            if token in params.stop_token_ids:
-                self.finish(seq, FinishReason.STOP, token)
-            elif not params.ignore_eos and token in self.eos_token_ids:
-                self.finish(seq, FinishReason.STOP)
-            elif seq.num_output_tokens >= seq.max_output_tokens:
-                self.finish(seq, FinishReason.LENGTH)
         return updated
 
     def postprocess_verify(self, batch: Batch, emitted: list[list[int]]) -> list[Sequence]:
@@ -200,18 +193,22 @@ class Scheduler:
             # The root plus the accepted drafts (all but the bonus) are in the caches now.
             seq.num_computed_tokens += len(tokens)
             self.block_manager.trim(seq, seq.num_computed_tokens + 1)
-            params = seq.sampling_params
             for token in tokens:
-                seq.token_ids.append(token)
-                if token in params.stop_token_ids:
-                    self.finish(seq, FinishReason.STOP, token)
-                elif not params.ignore_eos and token in self.eos_token_ids:
-                    self.finish(seq, FinishReason.STOP)
-                elif seq.num_output_tokens >= seq.max_output_tokens:
-                    self.finish(seq, FinishReason.LENGTH)
+                self._append_token(seq, token)
                 if seq.is_finished:
                     break
         return list(batch.seqs)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        """Append a generated token to `seq`, finishing it on EOS, a stop token or its length limit."""
+        seq.token_ids.append(token)
+        params = seq.sampling_params
+        if token in params.stop_token_ids:
+            self.finish(seq, FinishReason.STOP, token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, FinishReason.STOP)
+        elif seq.num_output_tokens >= seq.max_output_tokens:
+            self.finish(seq, FinishReason.LENGTH)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """End `seq` now, freeing its pages and slot (whether it is running or waiting)."""

@@ -4,14 +4,16 @@ catch-up after a decode step, drafting, and verify with acceptance, commit and c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
+from jetserve.spec.tree import DraftTree
+
 if TYPE_CHECKING:
     from jetserve.engine.model_runner import ModelRunner
     from jetserve.engine.speculative import SpecDecoder
-    from jetserve.spec.tree import DraftTree
 
 # Speculative steps are captured up to this batch size (a verify step's logits are T_d rows per sequence, and the
 # stochastic acceptance keeps a few [N, T_d, V] tensors: at larger batches they run eagerly).
@@ -65,18 +67,7 @@ class GraphRunner:
         """Capture every bucket, largest first (so smaller graphs reuse the pool's blocks), on padding inputs."""
         self._pad(0)
         for B in reversed(self.batch_sizes):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the capture: lazy init, autotuning, workspaces
-                self._step(B)
-                self._step(B)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._step(B)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[B] = graph
+            self.pool = _capture(B, self.graphs, self.pool, lambda B=B: self._step(B))
         torch.cuda.synchronize()
 
     def _pad(self, start: int, end: int | None = None) -> None:
@@ -105,7 +96,7 @@ def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:
     """Warm `step` up twice on a side stream, then capture it into `graphs[graph_key]`; returns the memory pool."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # warm-up outside the capture: lazy init, autotuning, workspaces
         step()
         step()
     torch.cuda.current_stream().wait_stream(stream)
@@ -165,12 +156,12 @@ class SpecGraphRunner:
     def _draft(self, B: int, shape: int) -> None:
         tree = self.spec.draft_tree(shape, self.tokens[:B], self.positions[:B], self.slots[:B])
         static = self.trees[shape]
-        for name in ("tokens", "parents", "depths", "mask", "positions", "scores"):
-            getattr(static, name)[:B].copy_(getattr(tree, name))
+        for f in dataclasses.fields(DraftTree):
+            getattr(static, f.name)[:B].copy_(getattr(tree, f.name))
 
     def _verify(self, B: int, shape: int, greedy: bool) -> None:
         spec, prefix, slots = self.spec, self.positions[:B], self.slots[:B]
-        sampling = None if greedy else spec.sampling_rows(slots, prefix + 1)
+        sampling = None if greedy else spec.runner.sampler.rows(slots, prefix + 1)
         result = spec.verify(shape, _tree_rows(self.trees[shape], B), prefix, slots, sampling)
         self.results[shape][:B].copy_(result)
 
@@ -223,8 +214,6 @@ class SpecGraphRunner:
 
 
 def _static_tree(B: int, T: int, device: torch.device) -> DraftTree:
-    from jetserve.spec.tree import DraftTree
-
     return DraftTree(
         tokens=torch.zeros(B, T, dtype=torch.int64, device=device),
         parents=torch.full((B, T), -1, dtype=torch.int32, device=device),
@@ -236,7 +225,5 @@ def _static_tree(B: int, T: int, device: torch.device) -> DraftTree:
 
 
 def _tree_rows(tree: DraftTree, n: int) -> DraftTree:
-    from jetserve.spec.tree import DraftTree
-
-    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.mask[:n], tree.positions[:n],
-                     tree.scores[:n])  # fmt: skip
+    """The first `n` rows of every tensor of `tree` (views)."""
+    return DraftTree(*(getattr(tree, f.name)[:n] for f in dataclasses.fields(DraftTree)))

@@ -7,6 +7,7 @@ import torch
 
 from jetserve.ops.sampling import sample
 from jetserve.sampling_params import SamplingParams
+from jetserve.spec.verifier import SamplingRows
 
 
 class Sampler:
@@ -55,9 +56,15 @@ class Sampler:
         """logits [N, V] fp32, state_indices [N], counters [N] int64 → tokens [N] int64."""
         if is_all_greedy:
             return logits.argmax(dim=-1)
-        rows = state_indices.long()
+        rows = self.rows(state_indices, counters)
+        return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.counters)
+
+    def rows(self, state_indices: torch.Tensor, counters: torch.Tensor) -> SamplingRows:
+        """The parameters of the sequences in slots `state_indices` [N], gathered on the device, with their
+        counters [N]."""
+        slots = state_indices.long()
         p = self.params
-        return sample(
-            logits, p["temperature"][rows], p["top_k"][rows], p["top_p"][rows], p["min_p"][rows], p["seeds"][rows],
-            counters.long(),
+        return SamplingRows(
+            temperature=p["temperature"][slots], top_k=p["top_k"][slots], top_p=p["top_p"][slots],
+            min_p=p["min_p"][slots], seeds=p["seeds"][slots], counters=counters.long(),
         )  # fmt: skip

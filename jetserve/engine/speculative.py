@@ -4,6 +4,7 @@ adaptive choice of tree size per step, and the counters the server and the bench
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -296,7 +297,7 @@ class SpecDecoder:
             if self.forced == "wrong":
                 right = (right + 1) % self.runner.config.vocab_size
             tokens = torch.cat([tree.tokens[:, :1], right[:, 1:]], dim=1)
-            tree = DraftTree(tokens, tree.parents, tree.depths, tree.mask, tree.positions, tree.scores)
+            tree = dataclasses.replace(tree, tokens=tokens)
         return tree
 
     def verify(
@@ -320,13 +321,6 @@ class SpecDecoder:
         depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]
         return torch.cat([out.emitted_tokens(tree), out.num_accepted.long()[:, None], depth], dim=1)
 
-    def sampling_rows(self, slots: torch.Tensor, counters: torch.Tensor) -> SamplingRows:
-        p = self.runner.sampler.params
-        return SamplingRows(
-            temperature=p["temperature"][slots], top_k=p["top_k"][slots], top_p=p["top_p"][slots],
-            min_p=p["min_p"][slots], seeds=p["seeds"][slots], counters=counters,
-        )  # fmt: skip
-
     def run_verify(
         self, seqs: list[Sequence], slots_host: np.ndarray, shape: int, is_all_greedy: bool
     ) -> list[list[int]]:
@@ -349,7 +343,7 @@ class SpecDecoder:
         if use_graphs:
             result = self.graphs.verify(shape, prefix, slots, is_all_greedy)
         else:
-            sampling = None if is_all_greedy else self.sampling_rows(slots, prefix + 1)
+            sampling = None if is_all_greedy else self.runner.sampler.rows(slots, prefix + 1)
             result = self.verify(shape, tree, prefix, slots, sampling)
         timer.mark()
         rows = result.tolist()  # the step's one synchronisation

@@ -129,7 +129,7 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                 roots = torch.randint(0, engine.model_config.vocab_size, (N,), generator=gen, device="cuda")
                 before = [t.clone() for t in caches]
                 tree = spec.draft_tree(shape, roots, prefix, slots)
-                sampling = None if greedy_rows else spec.sampling_rows(slots, prefix + 1)
+                sampling = None if greedy_rows else spec.runner.sampler.rows(slots, prefix + 1)
                 eager = spec.verify(shape, tree, prefix, slots, sampling).clone()
                 eager_caches = [t.clone() for t in caches]
                 for t, saved in zip(caches, before, strict=True):

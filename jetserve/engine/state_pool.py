@@ -12,7 +12,9 @@ class StatePool:
 
     Slot 0 is reserved as the target of padded rows and never handed out. A slot's contents are meaningful only
     while its sequence has computed tokens: the kernels read it only where `has_initial_state`, so a new sequence
-    needs no zeroing. Speculative decoding (issue 5) will add its scratch and commit here.
+    needs no zeroing. Speculative decoding needs no copy of it: a VERIFY step reads the committed state and leaves
+    it untouched, each JetBlock keeps that step's per-node inputs, and `JetBlock.commit` replays the accepted path
+    into the slot in place (ops `dynamic_conv_commit`, `gated_delta_rule_commit`).
     """
 
     def __init__(

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from jetserve.config import ModelConfig
 from jetserve.distributed.group import TensorParallelGroup
 from jetserve.distributed.sharding import ShardSpec, shard_model
-from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
-from jetserve.model.loader import CheckpointError, checkpoint_files, resolve_dtype
+from jetserve.model.jet_nemotron import JetNemotronForCausalLM, cast_model, parameter_dtype
+from jetserve.model.loader import CheckpointError, assign_loaded, checkpoint_files, resolve_dtype
 
 # The one way this module opens a checkpoint file (tests wrap it to see what is read).
 open_checkpoint = safe_open
@@ -51,16 +51,8 @@ def load_sharded_model(
                 spec: ShardSpec = specs[name]
                 part = spec.read(tensor_slice)  # [local shape]: only this rank's rows/columns were read
                 assert tuple(part.shape) == tuple(expected[name].shape), f"{name}: {part.shape} vs {spec}"
-                target = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMETERS else torch_dtype
-                loaded[name] = part.to(device=group.device, dtype=target)
-    missing = [name for name in expected if name not in loaded]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
-    if unused and not ignore_unused:
-        shown = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-        raise CheckpointError(f"{path}: tensor(s) the model does not use: {shown} (pass ignore_unused to load anyway)")
-    model.load_state_dict(loaded, strict=False, assign=True)
+                loaded[name] = part.to(device=group.device, dtype=parameter_dtype(name, torch_dtype))
+    assign_loaded(model, path, loaded, unused, ignore_unused)
     model.init_rope(group.device)
     return cast_model(model, torch_dtype).eval().requires_grad_(False)
 

@@ -114,8 +114,10 @@ class JetNemotronForCausalLM(nn.Module):
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast floating parameters to `dtype`, keeping `FP32_PARAMETERS` (and the RoPE table) in fp32."""
     for name, param in model.named_parameters():
-        if name.rsplit(".", 1)[-1] in FP32_PARAMETERS:
-            param.data = param.data.float()
-        else:
-            param.data = param.data.to(dtype)
+        param.data = param.data.to(parameter_dtype(name, dtype))
     return model
+
+
+def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` is kept in: fp32 for `FP32_PARAMETERS`, else the model's `dtype`."""
+    return torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMETERS else dtype

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from jetserve.config import ModelConfig, VLMConfig, is_vlm_config
-from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
+from jetserve.model.jet_nemotron import JetNemotronForCausalLM, cast_model, parameter_dtype
 from jetserve.model.vision import VisionEncoder, projector_checkpoint_shapes, siglip_checkpoint_shapes
 
 LLM_PREFIX = "llm."  # where a jet_vlm checkpoint keeps its text model's tensors
@@ -126,7 +126,7 @@ def _fill(
                 if name is None:
                     continue
                 if name not in expected:
-                    # Tied checkpoints sometimes still carry lm_head.weight; it must equal the embedding then.
+                    # e.g. a tied checkpoint that still carries lm_head.weight: an error unless `ignore_unused`.
                     unused.append(stored)
                     continue
                 tensor = f.get_tensor(stored)
@@ -134,13 +134,23 @@ def _fill(
                     raise CheckpointError(
                         f"{stored}: shape {tuple(tensor.shape)} in {file.name}, expected {tuple(expected[name].shape)}"
                     )
-                target = torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMETERS else torch_dtype
-                loaded[name] = tensor.to(device=device, dtype=target)
-    missing = [name for name in expected if name not in loaded]
+                loaded[name] = tensor.to(device=device, dtype=parameter_dtype(name, torch_dtype))
+    assign_loaded(model, path, loaded, unused, ignore_unused)
+
+
+def assign_loaded(
+    model: torch.nn.Module, path: Path, loaded: dict[str, torch.Tensor], unused: list[str], ignore_unused: bool
+) -> None:
+    """Assign the `loaded` tensors to `model`'s parameters; a CheckpointError names the parameters no tensor filled
+    and (unless `ignore_unused`) the checkpoint tensors the model has no parameter for."""
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+        raise CheckpointError(f"{path}: missing tensor(s) {_first_five(missing)}")
     if unused and not ignore_unused:
-        shown = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        shown = _first_five(sorted(unused))
         raise CheckpointError(f"{path}: tensor(s) the model does not use: {shown} (pass ignore_unused to load anyway)")
     model.load_state_dict(loaded, strict=False, assign=True)
+
+
+def _first_five(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

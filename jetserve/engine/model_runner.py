@@ -151,14 +151,10 @@ class ModelRunner:
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor) -> None:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by
         one, then token e — the one just sampled where the chunk ends its sequence, else the next prompt token."""
-        follow = [
-            0 if sampled else seq.token_ids[start + n]
-            for seq, start, n, sampled in zip(
-                batch.seqs, batch.start_positions, batch.num_new_tokens, batch.is_sampling, strict=True
-            )
-        ]
-        sampled = torch.tensor(batch.is_sampling, device=self.device)
-        last = torch.where(sampled, tokens, torch.tensor(follow, device=self.device))  # [N]
+        chunks = zip(batch.seqs, batch.start_positions, batch.num_new_tokens, batch.is_sampling, strict=True)
+        follow = [-1 if sampled else seq.token_ids[start + n] for seq, start, n, sampled in chunks]  # -1: sampled
+        (follow_d,) = self.upload(np.array([follow], dtype=np.int64))  # [N]
+        last = torch.where(follow_d < 0, tokens, follow_d)  # [N]
         ends = fb.cu_seqlens[1:].long() - 1  # [N]
         next_ids = torch.roll(fb.input_ids, -1)  # [T]
         next_ids[ends] = last

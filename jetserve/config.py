@@ -81,15 +81,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is a file)."""
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"no config.json at {path}")
-        try:
-            data = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file}: not valid JSON ({e})") from e
-        return cls.from_dict(data)
+        return cls.from_dict(_read_config_json(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -301,15 +293,7 @@ class VLMConfig:
 
     @classmethod
     def from_hf(cls, path: str | Path) -> VLMConfig:
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ConfigError(f"no config.json at {path}")
-        try:
-            data = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file}: not valid JSON ({e})") from e
-        return cls.from_dict(data)
+        return cls.from_dict(_read_config_json(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VLMConfig:
@@ -330,12 +314,22 @@ class VLMConfig:
 
 def is_vlm_config(path: str | Path) -> bool:
     """Whether `path` (a checkpoint folder or a config.json) describes a `jet_vlm` model."""
+    try:
+        return _read_config_json(path).get("model_type") == VLM_MODEL_TYPE
+    except (ConfigError, OSError, AttributeError):
+        return False
+
+
+def _read_config_json(path: str | Path) -> Any:
+    """The parsed `path/config.json` (or `path` itself when it is a file); ConfigError when absent or not JSON."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no config.json at {path}")
     try:
-        return json.loads(file.read_text()).get("model_type") == VLM_MODEL_TYPE
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from e
 
 
 def _vlm_text_config(data: dict[str, Any]) -> dict[str, Any]:

@@ -11,19 +11,16 @@ class BlockManager:
     `attn` layers: a sequence's logical page i (tokens `[i*page_size, (i+1)*page_size)`) lives in physical page
     `seq.pages[i]`, allocated as the sequence grows. Page 0 is reserved for padded rows and never handed out.
 
-    `swa` layers keep only their window: each state slot owns a fixed ring of `ring_pages` pages (`ring_tokens` =
-    `ring_pages * page_size` tokens, at least window + draft tokens), physical pages `[slot*ring_pages,
-    (slot+1)*ring_pages)`; position p lives at ring offset `p % ring_tokens`. The ring comes and goes with the slot,
-    so it needs no accounting here, and slot 0's ring (pages from 0) is the padding target.
+    `swa` layers keep only their window: each state slot owns a fixed ring of `MemoryPlan.ring_tokens` tokens
+    (whole pages, at least window + draft tokens) in the SWA caches, position p at ring offset `p % ring_tokens`.
+    The ring comes and goes with the slot, so it needs no accounting here; `ModelRunner` addresses it by slot, and
+    slot 0's ring is the padding target.
     """
 
-    def __init__(self, num_pages: int, page_size: int, ring_tokens: int = 0) -> None:
+    def __init__(self, num_pages: int, page_size: int) -> None:
         assert num_pages >= 2 and page_size >= 1
-        assert ring_tokens % page_size == 0, "the SWA ring must be whole pages"
         self.num_pages = num_pages
         self.page_size = page_size
-        self.ring_tokens = ring_tokens
-        self.ring_pages = ring_tokens // page_size
         # A stack: the most recently freed page is reused first (it is likelier to be warm in L2).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
 
@@ -49,11 +46,8 @@ class BlockManager:
         """How many more tokens `seq` could cache with its pages plus every free page."""
         return (len(seq.pages) + len(self._free)) * self.page_size - seq.num_computed_tokens
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.pages_needed(seq, num_new_tokens) <= len(self._free)
-
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give `seq` the pages for `num_new_tokens` more tokens (the caller checked `can_append`)."""
+        """Give `seq` the pages for `num_new_tokens` more tokens (the caller checked `num_fitting_tokens`)."""
         needed = self.pages_needed(seq, num_new_tokens)
         assert needed <= len(self._free), f"{seq}: needs {needed} pages, {len(self._free)} free"
         for _ in range(needed):
@@ -69,7 +63,3 @@ class BlockManager:
         self._free.extend(reversed(seq.pages))
         seq.pages = []
         assert len(self._free) <= self.num_pages - 1, "a page was freed twice"
-
-    def ring_pages_of(self, slot: int) -> range:
-        """The physical SWA pages of state slot `slot`, logical ring order."""
-        return range(slot * self.ring_pages, (slot + 1) * self.ring_pages)

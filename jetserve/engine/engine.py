@@ -88,7 +88,7 @@ class LLMEngine:
         self.plan = self._plan(model, device, dtype)
         logger.info("memory plan: %s", self.plan)
         self.state_pool = StatePool.for_model(self.model_config, self.plan.num_slots, dtype, device)
-        self.block_manager = BlockManager(self.plan.num_pages, self.plan.page_size, self.plan.ring_tokens)
+        self.block_manager = BlockManager(self.plan.num_pages, self.plan.page_size)
         eos = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *getattr(tokenizer, "eos_token_ids", ()))))
         self.runner = ModelRunner(model, self.plan, self.state_pool)
         self.spec: SpecDecoder | None = None

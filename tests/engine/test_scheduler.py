@@ -162,17 +162,16 @@ def test_abort_frees_pages_and_slot():
 
 
 def test_block_manager_and_state_pool_accounting():
-    blocks = BlockManager(num_pages=6, page_size=4, ring_tokens=8)
+    blocks = BlockManager(num_pages=6, page_size=4)
     seq = make_seq([1] * 9, 4)
     assert blocks.pages_needed(seq, 9) == 3 and blocks.num_fitting_tokens(seq) == 20
     blocks.append(seq, 9)
     assert len(seq.pages) == 3 and 0 not in seq.pages and blocks.num_free_pages == 2
     seq.num_computed_tokens = 9
     assert blocks.pages_needed(seq, 3) == 0 and blocks.pages_needed(seq, 4) == 1
-    assert not blocks.can_append(seq, 12)
+    assert blocks.pages_needed(seq, 12) == 3 > blocks.num_free_pages and blocks.num_fitting_tokens(seq) == 11
     blocks.free(seq)
     assert blocks.num_free_pages == 5 and seq.pages == []
-    assert list(blocks.ring_pages_of(3)) == [6, 7]
     pool = StatePool(3, (0, 2), (3, 5), (2, 4, 4), dtype=None, device="cpu")
     assert pool.conv_states.shape == (2, 3, 3, 5) and pool.recurrent_states.shape == (2, 3, 2, 4, 4)
     slots = {pool.allocate(), pool.allocate()}

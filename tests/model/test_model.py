@@ -1,36 +1,18 @@
 """Model invariants on the tiny checkpoint (all three layer kinds), reference ops, fp32."""
 
-import pytest
 import torch
+from model_helpers import jet_states, random_tokens
 
 from jetserve.model.forward_batch import Phase
 from jetserve.model.loader import load_model
 from jetserve.model.static_cache import StaticCache
 
 
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    return load_model(tiny_checkpoint, dtype="float32")
-
-
-def _states(model, seq):
-    """Every per-sequence state of sequence `seq` (slot seq + 1): conv windows and recurrent states."""
-    out = []
-    for layer in model.model.layers:
-        if layer.kind == "jet":
-            out += [layer.self_attn.conv_state[seq + 1].clone(), layer.self_attn.recurrent_state[seq + 1].clone()]
-    return out
-
-
-def _prompt(n, seed):
-    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_prefill_then_decode_equals_one_prefill(model):
-    tokens = _prompt(40, 1)  # longer than the SWA window (16): the window matters
+    tokens = random_tokens(40, 1)  # longer than the SWA window (16): the window matters
     whole = StaticCache(model, 1, 64)
     logits_whole = model.compute_logits(model(whole.batch([0], [tokens])))
-    states_whole = _states(model, 0)
+    states_whole = jet_states(model, 0)
 
     split = StaticCache(model, 1, 64)
     logits = [model.compute_logits(model(split.batch([0], [tokens[:7]])))]
@@ -39,12 +21,12 @@ def test_prefill_then_decode_equals_one_prefill(model):
         assert fb.phase is Phase.DECODE
         logits.append(model.compute_logits(model(fb)))
     torch.testing.assert_close(torch.cat(logits), logits_whole, rtol=1e-4, atol=1e-4)
-    for a, b in zip(_states(model, 0), states_whole, strict=True):
+    for a, b in zip(jet_states(model, 0), states_whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_prefill_equals_one_prefill(model):
-    tokens = _prompt(37, 2)
+    tokens = random_tokens(37, 2)
     whole = StaticCache(model, 1, 64)
     logits_whole = model.compute_logits(model(whole.batch([0], [tokens])))
     chunked = StaticCache(model, 1, 64)
@@ -53,17 +35,17 @@ def test_chunked_prefill_equals_one_prefill(model):
 
 
 def test_packed_batch_equals_each_alone(model):
-    prompts = [_prompt(n, 10 + n) for n in (1, 3, 20, 9)]
+    prompts = [random_tokens(n, 10 + n) for n in (1, 3, 20, 9)]
     batched = StaticCache(model, len(prompts), 64)
     logits_batched = model.compute_logits(model(batched.batch(list(range(len(prompts))), prompts)))
     decode_batched = model.compute_logits(model(batched.batch([0, 1, 2, 3], [[5], [6], [7], [8]])))
-    states_batched = [_states(model, i) for i in range(len(prompts))]
+    states_batched = [jet_states(model, i) for i in range(len(prompts))]
     alone_logits, alone_decode = [], []
     for i, p in enumerate(prompts):
         cache = StaticCache(model, 1, 64)
         alone_logits.append(model.compute_logits(model(cache.batch([0], [p]))))
         alone_decode.append(model.compute_logits(model(cache.batch([0], [[5 + i]]))))
-        for a, b in zip(_states(model, 0), states_batched[i], strict=True):
+        for a, b in zip(jet_states(model, 0), states_batched[i], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits_batched, torch.cat(alone_logits), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(decode_batched, torch.cat(alone_decode), rtol=1e-4, atol=1e-4)
@@ -96,5 +78,5 @@ def test_bf16_forward_runs_and_is_finite(tiny_checkpoint):
     assert model.model.layers[0].self_attn.A_log.dtype == torch.float32
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     cache = StaticCache(model, 1, 32)
-    logits = model.compute_logits(model(cache.batch([0], [_prompt(12, 3)])))
+    logits = model.compute_logits(model(cache.batch([0], [random_tokens(12, 3)])))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -2,26 +2,9 @@
 
 import pytest
 import torch
+from model_helpers import jet_states, random_tokens
 
-from jetserve.model.loader import load_model
 from jetserve.model.static_cache import StaticCache
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    return load_model(tiny_checkpoint, dtype="float32")
-
-
-def _states(model, seq):
-    out = []
-    for layer in model.model.layers:
-        if layer.kind == "jet":
-            out += [layer.self_attn.conv_state[seq + 1].clone(), layer.self_attn.recurrent_state[seq + 1].clone()]
-    return out
-
-
-def _tokens(n, seed):
-    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _path(parents, node):
@@ -33,8 +16,8 @@ def _path(parents, node):
 
 @pytest.mark.parametrize("parents", [[-1, 0, 1, 2, 3], [-1, 0, 0, 1, 2, 1, 5]], ids=["chain", "tree"])
 def test_verify_logits_equal_decoding_each_ancestry_path(model, parents):
-    prompt = _tokens(23, 0)  # longer than the SWA window (16)
-    tree = _tokens(len(parents), 1)
+    prompt = random_tokens(23, 0)  # longer than the SWA window (16)
+    tree = random_tokens(len(parents), 1)
     cache = StaticCache(model, 1, 64)
     model(cache.batch([0], [prompt]))
     fb = cache.verify_batch([0], torch.tensor([tree]), torch.tensor([parents]))
@@ -46,16 +29,16 @@ def test_verify_logits_equal_decoding_each_ancestry_path(model, parents):
         torch.testing.assert_close(verify_logits[node], model.compute_logits(hidden[-1:])[0], rtol=1e-4, atol=1e-4)
 
 
-def test_rounds_of_verify_and_commit_equal_prefill_of_accepted_tokens(model):
+def test_rounds_of_verify_and_commit_equal_prefill_of_acceptedrandom_tokens(model):
     """Several rounds with different acceptance (including 1 after ≥ 2, and a tree branch), two sequences."""
-    prompts = [_tokens(20, 2), _tokens(5, 3)]
+    prompts = [random_tokens(20, 2), random_tokens(5, 3)]
     cache = StaticCache(model, 2, 96)
     model(cache.batch([0, 1], prompts))
     history = [list(p) for p in prompts]
     parents = torch.tensor([[-1, 0, 1, 1, 3, 2]] * 2, dtype=torch.int32)
     rounds = [([0, 1, 3, 4], [0, 1, 2, 5]), ([0], [0, 1, 2]), ([0, 1, 2], [0, 1, 3, 4]), ([0, 1], [0])]
     for r, paths in enumerate(rounds):
-        tokens = torch.tensor([_tokens(6, 10 + 2 * r), _tokens(6, 11 + 2 * r)])
+        tokens = torch.tensor([random_tokens(6, 10 + 2 * r), random_tokens(6, 11 + 2 * r)])
         fb = cache.verify_batch([0, 1], tokens, parents)
         model(fb)
         accepted = torch.full((2, 6), -1, dtype=torch.int32)
@@ -67,11 +50,11 @@ def test_rounds_of_verify_and_commit_equal_prefill_of_accepted_tokens(model):
         cache.commit([0, 1], num.tolist())
     # The next decode after the rounds == decode after prefilling the accepted history.
     after = model.compute_logits(model(cache.batch([0, 1], [[7], [9]])))
-    committed = [_states(model, i) for i in range(2)]
+    committed = [jet_states(model, i) for i in range(2)]
     for i, (h, nxt) in enumerate(zip(history, (7, 9), strict=True)):
         plain = StaticCache(model, 1, 96)
         model(plain.batch([0], [h]))
         expected = model.compute_logits(model(plain.batch([0], [[nxt]])))
         torch.testing.assert_close(after[i], expected[0], rtol=1e-4, atol=1e-4)
-        for a, b in zip(committed[i], _states(model, 0), strict=True):
+        for a, b in zip(committed[i], jet_states(model, 0), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -94,7 +94,7 @@ class _SamplingFields(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: NonNegFloat | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None  # the sampler keeps it as int32
     min_p: Prob | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     stop: str | list[str] | None = None
@@ -283,11 +283,15 @@ class DetokenizeRequest(BaseModel):
         pass
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """Decode a JSON body into `model`, raising ApiError (400) for malformed JSON or an invalid field."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except ValueError as e:  # bad syntax, bad UTF-8, or NaN/±Infinity (Python's parser takes them; JSON has none)
         raise ApiError(f"malformed JSON body: {e}", code="malformed_json") from None
     if not isinstance(data, dict):
         raise ApiError("the request body must be a JSON object", code="malformed_json")

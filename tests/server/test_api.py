@@ -165,6 +165,7 @@ BAD_COMPLETIONS = [
     ({"model": MODEL_NAME, "prompt": "x", "top_p": 0}, "top_p"),
     ({"model": MODEL_NAME, "prompt": "x", "top_p": 1.5}, "top_p"),
     ({"model": MODEL_NAME, "prompt": "x", "top_k": -2}, "top_k"),
+    ({"model": MODEL_NAME, "prompt": "x", "top_k": 2**40}, "top_k"),  # beyond the sampler's int32: once killed the loop
     ({"model": MODEL_NAME, "prompt": "x", "min_p": 2}, "min_p"),
     ({"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
@@ -209,11 +210,14 @@ def test_bad_chat_is_400_naming_the_field(running_server, body, param):
     assert response.json()["error"]["param"] == param
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe",
+                                 b'{"model": "tiny", "prompt": "x", "temperature": Infinity}',
+                                 b'{"model": "tiny", "prompt": "x", "top_p": NaN}'])  # fmt: skip
 def test_malformed_json_is_400(running_server, raw):
     response = running_server.post("/v1/completions", None, raw=raw)
     assert response.status_code == 400
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "malformed_json"
 
 
 def test_wrong_or_missing_api_key_is_401(running_server):
@@ -244,6 +248,7 @@ def test_bad_requests_do_not_disturb_running_ones(running_server, offline):
     good, statuses = asyncio.run(scenario())
     assert set(statuses) == {400}
     assert good.choices[0].text == want and good.usage.completion_tokens == 40
+    assert running_server.server.engine.is_alive
     running_server.wait_idle_and_clean()
 
 

@@ -1,7 +1,8 @@
 """Inputs at the real Jet-Nemotron shapes for every op, shared by bench/kernels.py and bench/memcheck_kernels.py.
 
-Each `case_*` returns (call, bytes_moved, flops): `call()` runs the public op once (the Triton variant on CUDA),
-`bytes_moved` counts each input read once and each output written once (the roofline's numerator).
+Each case builder returns (call, bytes_moved, flops): `call()` runs the public op once (the Triton variant on CUDA),
+`bytes_moved` counts each input the op needs read once and each output written once (the roofline's numerator);
+index tensors (slots, block tables, cu_seqlens, tree parents and masks), a few bytes per sequence, are left out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from jetserve.ops.attention import attention_decode, attention_prefill, attention_verify  # noqa: E402
+from jetserve.ops.attention import (  # noqa: E402
+    apply_rope,
+    attention_decode,
+    attention_prefill,
+    attention_verify,
+    kv_cache_commit,
+    rope_cos_sin,
+)
 from jetserve.ops.dynamic_conv import (  # noqa: E402
     dynamic_conv_commit,
     dynamic_conv_decode,
@@ -29,6 +37,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_verify,
 )
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+from jetserve.ops.sampling import sample  # noqa: E402
 
 Case = tuple[Callable[[], object], int, int]
 
@@ -45,6 +54,7 @@ class Shapes:
     heads: int
     kv_heads: int
     head_dim: int
+    vocab: int
 
     @property
     def channels(self) -> int:  # D_v
@@ -56,12 +66,13 @@ class Shapes:
 
 
 SHAPES = {
-    "2b": Shapes("2b", 1536, 8960, 12, 96, 256, 4, 12, 2, 128),
-    "4b": Shapes("4b", 2048, 11008, 16, 128, 256, 4, 16, 2, 128),
+    "2b": Shapes("2b", 1536, 8960, 12, 96, 256, 4, 12, 2, 128, 151936),
+    "4b": Shapes("4b", 2048, 11008, 16, 128, 256, 4, 16, 2, 128, 151936),
     # Small enough for the CPU reference backend: checks this script, not speed.
-    "smoke": Shapes("smoke", 64, 128, 2, 16, 32, 4, 4, 2, 16),
+    "smoke": Shapes("smoke", 64, 128, 2, 16, 32, 4, 4, 2, 16, 1000),
 }
 PAGE_SIZE = 16
+NUM_ACCEPTED = 3  # nodes a commit case accepts per sequence, root included
 
 
 def _randn(*shape: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
@@ -80,6 +91,20 @@ def tree_parents(num_seqs: int, num_nodes: int, chain: bool, device: str) -> tor
     return parents.to(torch.int32).expand(num_seqs, num_nodes).contiguous()
 
 
+def accepted_path(num_seqs: int, num_nodes: int, chain: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first NUM_ACCEPTED nodes of the path to the last node of `tree_parents`, for every sequence:
+    (accepted_nodes [N, T_d] int32 root first, padded with -1; num_accepted [N] int32)."""
+    parents = tree_parents(1, num_nodes, chain, "cpu")[0].tolist()
+    path, node = [], num_nodes - 1
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    path = path[::-1][:NUM_ACCEPTED]
+    row = torch.tensor(path + [-1] * (num_nodes - len(path)), dtype=torch.int32, device=device)
+    num = torch.full((num_seqs,), len(path), dtype=torch.int32, device=device)
+    return row.expand(num_seqs, num_nodes).contiguous(), num
+
+
 def _slots(num_seqs: int, device: str) -> torch.Tensor:
     return torch.arange(1, num_seqs + 1, dtype=torch.int32, device=device)  # slot 0 is the padding slot
 
@@ -92,7 +117,7 @@ def conv_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, no
     num_seqs = 1 if kind == "prefill" else n
     state = _randn(num_seqs + 1, W - 1, D, dtype=dtype, device=device)
     idx = _slots(num_seqs, device)
-    T = {"decode": n, "prefill": n}.get(kind, n * nodes)
+    T = n if kind in ("decode", "prefill") else n * nodes
     u = _randn(T, D, dtype=dtype, device=device)
     h = _randn(T, G, dtype=dtype, device=device)
     window_bytes = _nbytes(state[1:])
@@ -114,16 +139,18 @@ def conv_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, no
             io_bytes + window_bytes,
             2 * T * G * D * W,
         )
-    accepted = torch.arange(nodes, dtype=torch.int32, device=device).expand(n, nodes).contiguous()
-    num = torch.full((n,), min(nodes, 3), dtype=torch.int32, device=device)
-    return lambda: dynamic_conv_commit(u, state, idx, accepted, num), 2 * window_bytes, 0
+    accepted, num = accepted_path(n, nodes, chain, device)
+    count = int(num[0])
+    # Reads the accepted inputs and the old rows the new window keeps, writes the window.
+    read_rows = n * (count + max(0, W - 1 - count))
+    return lambda: dynamic_conv_commit(u, state, idx, accepted, num), read_rows * _nbytes(u[0]) + window_bytes, 0
 
 
 def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
     """gated_delta_rule: decode (n sequences), prefill (n tokens, one sequence), verify/commit (n sequences)."""
     H, K, V = s.jet_heads, s.key_dim, s.value_dim
     num_seqs = 1 if kind == "prefill" else n
-    T = {"decode": n, "prefill": n}.get(kind, n * nodes)
+    T = n if kind in ("decode", "prefill") else n * nodes
     q, k = _randn(T, H, K, dtype=dtype, device=device), _randn(T, H, K, dtype=dtype, device=device)
     v = _randn(T, H, V, dtype=dtype, device=device)
     a, b = _randn(T, H, dtype=dtype, device=device), _randn(T, H, dtype=dtype, device=device)
@@ -155,20 +182,30 @@ def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nod
             io_bytes + state_bytes,
             6 * T * H * K * V,
         )
-    accepted = torch.arange(nodes, dtype=torch.int32, device=device).expand(n, nodes).contiguous()
-    num = torch.full((n,), min(nodes, 3), dtype=torch.int32, device=device)
+    accepted, num = accepted_path(n, nodes, chain, device)
+    count = int(num[0])
+    # Replays the accepted tokens' k, v, a, b only; the state is read and written once.
     return (
         lambda: gated_delta_rule_commit(k, v, a, b, *gates, idx, accepted, num),
-        _nbytes(k, v, a, b) + 2 * state_bytes,
-        6 * n * 3 * H * K * V,
+        _nbytes(k, v, a, b) // nodes * count + 2 * state_bytes,
+        6 * n * count * H * K * V,
     )
 
 
 def attention_cases(
-    s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, context: int, nodes: int = 0, window: int = 0
+    s: Shapes,
+    dtype: torch.dtype,
+    device: str,
+    kind: str,
+    n: int,
+    context: int,
+    nodes: int = 0,
+    chain: bool = True,
+    window: int = 0,
 ):
     """attention over a paged cache: decode (n sequences at `context`), prefill (n new tokens after `context`
-    cached ones, one sequence), verify (n sequences, `nodes` chain nodes after `context`)."""
+    cached ones, one sequence), verify (n sequences, a tree of `nodes` after `context`), commit (moving the K/V of
+    that tree's accepted path)."""
     H, HK, Dh = s.heads, s.kv_heads, s.head_dim
     num_seqs = 1 if kind == "prefill" else n
     new = {"decode": 1, "prefill": n}.get(kind, nodes)
@@ -178,6 +215,16 @@ def attention_cases(
     k_cache = _randn(num_pages, PAGE_SIZE, HK, Dh, dtype=dtype, device=device)
     v_cache = _randn(num_pages, PAGE_SIZE, HK, Dh, dtype=dtype, device=device)
     tables = (1 + torch.arange(num_seqs * pages_per_seq, device=device, dtype=torch.int32)).view(num_seqs, -1)
+    row_bytes = HK * Dh * dtype.itemsize  # one token's K (or V)
+    if kind == "commit":
+        accepted, num = accepted_path(n, nodes, chain, device)
+        moved = sum(node != depth for depth, node in enumerate(accepted[0, : int(num[0])].tolist()))
+        prefix = torch.full((n,), context, dtype=torch.int32, device=device)
+        return (
+            lambda: kv_cache_commit(k_cache, v_cache, tables, prefix, accepted, num),
+            2 * 2 * n * moved * row_bytes,  # K and V of each moved node, read and written
+            0,
+        )
     T = num_seqs * new
     q = _randn(T, H, Dh, dtype=dtype, device=device)
     k, v = _randn(T, HK, Dh, dtype=dtype, device=device), _randn(T, HK, Dh, dtype=dtype, device=device)
@@ -185,11 +232,12 @@ def attention_cases(
     owner = torch.arange(num_seqs, device=device).repeat_interleave(new)
     slots = (tables[owner, pos // PAGE_SIZE].long() * PAGE_SIZE + pos % PAGE_SIZE).contiguous()
     lens = torch.full((num_seqs,), total, dtype=torch.int32, device=device)
-    keys_read = min(total, window) if window else total
-    kv_bytes = 2 * num_seqs * keys_read * HK * Dh * dtype.itemsize
+    # The earliest new token sees the most of the cache; the new K/V are written to it.
+    cached_keys = min(context, window - 1) if window else context
+    kv_bytes = 2 * num_seqs * (cached_keys + new) * row_bytes
     io_bytes = _nbytes(q, k, v) + _nbytes(q)
     opts = dict(scale=Dh**-0.5, window_tokens=window, ring_tokens=0)
-    flops = 4 * T * keys_read * H * Dh
+    flops = 4 * T * (min(total, window) if window else total) * H * Dh
     if kind == "decode":
         return (
             lambda: attention_decode(q, k, v, k_cache, v_cache, lens, tables, slots, **opts),
@@ -203,14 +251,40 @@ def attention_cases(
             kv_bytes + io_bytes,
             flops // 2 if context == 0 else flops,
         )
-    parents = tree_parents(n, nodes, True, device)
-    mask = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool, device=device)).expand(n, nodes, nodes).contiguous()
-    del parents
+    parents = tree_parents(1, nodes, chain, "cpu")[0].tolist()
+    mask = torch.eye(nodes, dtype=torch.bool)
+    for j in range(1, nodes):
+        mask[j] |= mask[parents[j]]  # node j sees itself and its parent's ancestry
+    mask = mask.to(device).expand(n, nodes, nodes).contiguous()
     return (
         lambda: attention_verify(q, k, v, k_cache, v_cache, mask, lens, tables, slots, **opts),
         kv_bytes + io_bytes,
         flops,
     )
+
+
+def rope_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Case:
+    """apply_rope on n tokens at distinct positions: q, k and one table row per token read, q and k written."""
+    q = _randn(n, s.heads, s.head_dim, dtype=dtype, device=device)
+    k = _randn(n, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+    table = rope_cos_sin(n, s.head_dim, 1e6).to(device)  # [n, Dh] fp32
+    positions = torch.arange(n, device=device)
+    return lambda: apply_rope(q, k, positions, table), 2 * _nbytes(q, k) + _nbytes(positions, table), 0
+
+
+def sample_case(s: Shapes, device: str, n: int) -> Case:
+    """sample over the vocabulary with top-k 50 and top-p 0.9: the fp32 logits and row parameters read, tokens
+    written."""
+    logits = _randn(n, s.vocab, dtype=torch.float32, device=device, scale=4.0)
+    params = dict(
+        temperature=torch.full((n,), 0.8, device=device),
+        top_k=torch.full((n,), 50, dtype=torch.int32, device=device),
+        top_p=torch.full((n,), 0.9, device=device),
+        min_p=torch.zeros(n, device=device),
+        seeds=torch.arange(n, device=device),
+        counters=torch.zeros(n, dtype=torch.int64, device=device),
+    )
+    return lambda: sample(logits, **params), _nbytes(logits, *params.values()) + n * 8, 0
 
 
 def norm_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int):
@@ -243,6 +317,8 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         )
         for kind in ("rms_norm", "gated_rms_norm", "silu_and_mul"):
             cases[f"{kind} T={n}"] = lambda n=n, kind=kind: norm_cases(s, dtype, device, kind, n)
+        cases[f"rope T={n}"] = lambda n=n: rope_case(s, dtype, device, n)
+        cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
         cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)
@@ -258,5 +334,8 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
                 )
         cases[f"attention verify chain6 N={n} ctx={context}"] = lambda n=n: attention_cases(
             s, dtype, device, "verify", n, context, nodes=7
+        )
+        cases[f"attention commit tree8 N={n} ctx={context}"] = lambda n=n: attention_cases(
+            s, dtype, device, "commit", n, context, nodes=8, chain=False
         )
     return cases

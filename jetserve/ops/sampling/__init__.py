@@ -1,4 +1,5 @@
-"""Sampling on the device: greedy/temperature/top-k/top-p/min-p draws reproducible per request, and log-probs."""
+"""Sampling on the device: greedy/temperature/top-k/top-p/min-p draws reproducible per request, log-probs, and EAGLE-3
+tree acceptance."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from jetserve.ops.backend import use_triton
 from jetserve.ops.sampling import kernels, reference
 from jetserve.ops.sampling.reference import compute_logprobs, top_logprobs
+from jetserve.ops.sampling.tree_acceptance import tree_accept, tree_accept_greedy, tree_accept_loop
 
 
 def sample(
@@ -18,15 +20,11 @@ def sample(
     seeds: torch.Tensor,
     counters: torch.Tensor,
 ) -> torch.Tensor:
-    """logits [N, V] and per-row parameters [N] → tokens [N] int64. See `reference.sample`."""
+    """logits [N, V], temperature [N], top_k [N] int32, top_p [N], min_p [N], seeds [N] int64, counters [N] int64
+    → tokens [N] int64. See `reference.sample`."""
     if use_triton(logits):
         return kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
     return reference.sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
 
 
-__all__ = ["compute_logprobs", "sample", "top_logprobs"]
-
-# EAGLE-3 tree acceptance (issue 5).
-from jetserve.ops.sampling.tree_acceptance import tree_accept, tree_accept_greedy, tree_accept_loop  # noqa: E402
-
-__all__ += ["tree_accept", "tree_accept_greedy", "tree_accept_loop"]
+__all__ = ["compute_logprobs", "sample", "top_logprobs", "tree_accept", "tree_accept_greedy", "tree_accept_loop"]

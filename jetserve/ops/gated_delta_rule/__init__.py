@@ -25,7 +25,9 @@ def gated_delta_rule_prefill(
     has_initial_state: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Varlen prefill; see `reference.gated_delta_rule_prefill` for shapes and semantics."""
+    """Varlen prefill: q, k [T, H, K], v [T, H, V], a, b [T, H] (raw), A_log, dt_bias [H] fp32, state [S, H, K, V]
+    fp32 (final states written to the slots), cu_seqlens [N+1] int32, state_indices [N] int32, has_initial_state [N]
+    bool -> [T, H, V] in v.dtype. See `reference.gated_delta_rule_prefill`."""
     if use_triton(q):
         # Imported on first use: importing fla takes seconds and is needed only by this variant.
         from jetserve.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_prefill as fn
@@ -46,7 +48,8 @@ def gated_delta_rule_decode(
     state_indices: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """One token per sequence, state in place; see `reference.gated_delta_rule_decode`."""
+    """One token per sequence: q, k [N, H, K], v [N, H, V], a, b [N, H], A_log, dt_bias [H] fp32, state [S, H, K, V]
+    fp32 (updated in place), state_indices [N] int32 -> [N, H, V]. See `reference.gated_delta_rule_decode`."""
     fn = decode.gated_delta_rule_decode if use_triton(q) else reference.gated_delta_rule_decode
     return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
 
@@ -64,7 +67,9 @@ def gated_delta_rule_verify(
     tree_parents: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Draft-tree outputs, never writing `state`; see `reference.gated_delta_rule_verify`."""
+    """Draft-tree outputs: q, k [N*T_d, H, K], v [N*T_d, H, V], a, b [N*T_d, H], A_log, dt_bias [H] fp32,
+    state [S, H, K, V] fp32 (read only), state_indices [N] int32, tree_parents [N, T_d] int32 -> [N*T_d, H, V].
+    See `reference.gated_delta_rule_verify`."""
     fn = tree.gated_delta_rule_verify if use_triton(q) else reference.gated_delta_rule_verify
     return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents, scale)
 
@@ -81,7 +86,9 @@ def gated_delta_rule_commit(
     accepted_nodes: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> None:
-    """Replay the accepted path into the slot; see `reference.gated_delta_rule_commit`."""
+    """Replay the accepted path into the slot: k [N*T_d, H, K], v [N*T_d, H, V], a, b [N*T_d, H] (the verify inputs),
+    A_log, dt_bias [H] fp32, state [S, H, K, V] fp32 (updated in place), state_indices [N] int32,
+    accepted_nodes [N, T_d] int32 (root first), num_accepted [N] int32. See `reference.gated_delta_rule_commit`."""
     fn = tree.gated_delta_rule_commit if use_triton(k) else reference.gated_delta_rule_commit
     fn(k, v, a, b, A_log, dt_bias, state, state_indices, accepted_nodes, num_accepted)
 

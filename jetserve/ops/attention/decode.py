@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.attention.reference import check_decode, check_verify, check_window
-from jetserve.ops.attention.tiles import attend_tile, cache_slots
+from jetserve.ops.attention.tiles import LOG2E, attend_tile, cache_slots
 
-LOG2E = 1.4426950408889634
 INTERPRET_TARGET_PROGRAMS = 8  # the CPU interpreter still splits small batches, so tests cover the merge
 
 

@@ -135,13 +135,7 @@ def check_verify(
     num_seqs, num_nodes = tree_mask.shape[:2]
     if q.shape[0] != num_seqs * num_nodes:
         raise ValueError(f"attention_verify: q must hold N*T_d = {num_seqs * num_nodes} tokens, got {q.shape[0]}")
-    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"attention_verify: context_lens must be [N] and block_tables [N, P] for N={num_seqs}, got "
-            f"{tuple(context_lens.shape)}, {tuple(block_tables.shape)}"
-        )
-    if slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"attention_verify: slot_mapping must be [T]={q.shape[0]}, got {tuple(slot_mapping.shape)}")
+    _check_batch(q, num_seqs, context_lens, block_tables, slot_mapping)
 
 
 def check_commit(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634  # the kernels fold it into the softmax scale and use exp2
+
 
 @triton.jit
 def cache_slots(block_tables, i_n, stride_bt, positions, PAGE_SIZE: tl.constexpr, RING: tl.constexpr, mask):

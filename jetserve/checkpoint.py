@@ -129,7 +129,12 @@ def preset_config(name_or_path: str, num_layers: int | None = None, vocab_size: 
         if not path.is_file():
             names = ", ".join([*PRESETS, *VLM_PRESETS])
             raise ValueError(f"--config: {name_or_path!r} is neither a preset ({names}) nor a JSON file")
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"--config: {name_or_path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config: {name_or_path}: not a JSON object")
         if data.get("model_type") == VLM_MODEL_TYPE:
             data["text_config"] = _override(data.get("text_config") or {}, num_layers, vocab_size)
             VLMConfig.from_dict(data)  # validate
@@ -232,21 +237,32 @@ def make_checkpoint(
     data = preset_config(config, num_layers, vocab_size) if isinstance(config, str) else dict(config)
     if data.get("model_type") == VLM_MODEL_TYPE:
         processor = VLM_PRESETS[config][2] if isinstance(config, str) and config in VLM_PRESETS else {}
-        return _make_vlm_checkpoint(data, Path(out_dir), seed, dtype, processor)
+        return _make_vlm_checkpoint(data, out_dir, seed, dtype, processor)
     model_config = ModelConfig.from_dict(data)
     tok = byte_tokenizer()
     if tok.get_vocab_size(with_added_tokens=True) > model_config.vocab_size:
         raise ValueError(f"vocab_size: {model_config.vocab_size} is smaller than the tokenizer's vocabulary")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_dir(out_dir)
     endoftext, im_end = write_tokenizer(tok, out, model_config.max_position_embeddings)
-    data = data | {"bos_token_id": endoftext, "eos_token_id": endoftext}
-    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
-    generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_configs(out, data | {"bos_token_id": endoftext, "eos_token_id": endoftext}, endoftext, im_end)
     weights = random_weights(model_config, seed, resolve_dtype(dtype, model_config))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _output_dir(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _write_configs(out: Path, config: dict[str, Any], endoftext: int, im_end: int) -> None:
+    """config.json as given, and a generation_config.json that stops at either end token (as Qwen2.5's does)."""
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 @torch.no_grad()
@@ -293,7 +309,7 @@ def processor_config(config: VLMConfig, overrides: dict[str, Any]) -> dict[str, 
 
 
 def _make_vlm_checkpoint(
-    data: dict[str, Any], out: Path, seed: int, dtype: str, processor_overrides: dict[str, Any]
+    data: dict[str, Any], out_dir: str | Path, seed: int, dtype: str, processor_overrides: dict[str, Any]
 ) -> Path:
     """A random jet_vlm checkpoint: the text model's tensors under `llm.`, the SigLIP tower and projector, the
     tokenizer with the image/video placeholders, and preprocessor_config.json."""
@@ -303,7 +319,7 @@ def _make_vlm_checkpoint(
     text = ModelConfig.from_dict(data["text_config"])
     if tok.get_vocab_size(with_added_tokens=True) > text.vocab_size:
         raise ValueError(f"vocab_size: {text.vocab_size} is smaller than the tokenizer's vocabulary")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_dir(out_dir)
     endoftext, im_end = write_tokenizer(tok, out, text.max_position_embeddings)
     tokenizer_config_file = out / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_config_file.read_text())
@@ -318,9 +334,7 @@ def _make_vlm_checkpoint(
     data = data | ids | {"text_config": data["text_config"] | ids}
     data |= {"image_token_id": image_token_id, "video_token_id": video_token_id}
     config = VLMConfig.from_dict(data)
-    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")
-    generation = {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_configs(out, data, endoftext, im_end)
     processor = processor_config(config, processor_overrides)
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     torch_dtype = resolve_dtype(dtype, config.text)

@@ -159,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        # One line, no traceback: bad input is the user's to fix.
+    except (ValueError, OSError) as e:
+        # One line, no traceback: bad input (or a path or port the system refuses) is the user's to fix.
         print(f"jetserve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

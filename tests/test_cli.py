@@ -71,6 +71,19 @@ def test_missing_model_and_empty_prompt(tmp_path, checkpoint, capsys):
 def test_make_checkpoint_bad_config(capsys, tmp_path):
     assert main(["make-checkpoint", "--config", "huge", "--out", str(tmp_path)]) == 2
     assert "--config" in capsys.readouterr().err
+    bad_json = tmp_path / "config.json"
+    bad_json.write_text("{not json")
+    assert main(["make-checkpoint", "--config", str(bad_json), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and "not valid JSON" in err and err.count("\n") == 1
+
+
+def test_make_checkpoint_out_is_a_file(capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["make-checkpoint", "--config", "tiny", "--out", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and err.count("\n") == 1
 
 
 def test_make_checkpoint_draft_for(checkpoint, tmp_path):

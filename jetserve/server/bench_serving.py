@@ -83,6 +83,10 @@ def _positive_int(text: str) -> int:
 def run_bench_serving(args: argparse.Namespace) -> int:
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate: {args.request_rate} must be > 0 (inf sends everything at once)")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness: {args.burstiness} must be > 0")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout: {args.timeout} must be > 0")
     if not 0 <= args.range_ratio < 1:
         raise ValueError(f"--range-ratio: {args.range_ratio} must be in [0, 1)")
     lo, hi = args.vocab_range
@@ -166,9 +170,19 @@ async def benchmark(args: argparse.Namespace, percentiles: list[float]) -> Bench
 
 
 async def _first_model(client: Any, base: str) -> str:
-    response = await client.get(base + "/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    """The first name GET /v1/models lists; a ValueError (one line from the CLI) when the server cannot say."""
+    import httpx
+
+    url = base + "/v1/models"
+    try:
+        response = await client.get(url)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise ValueError(f"--base-url: GET {url}: {type(e).__name__}: {e}") from None
+    if not models:
+        raise ValueError(f"--base-url: GET {url} lists no model; pass --model")
+    return str(models[0]["id"])
 
 
 async def send_request(

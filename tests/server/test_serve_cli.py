@@ -37,6 +37,15 @@ def test_bench_has_serving_and_offline():
     assert parser.parse_args(["bench", "serving", "--base-url", "http://127.0.0.1:1"]).func is run_bench_serving
 
 
+def test_bench_serving_without_a_server_is_one_line(capsys):
+    port = _free_port()  # nothing listens there
+    assert main(["bench", "serving", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--base-url" in err and "ConnectError" in err and err.count("\n") == 1
+    assert main(["bench", "serving", "--base-url", "http://127.0.0.1:1", "--burstiness", "0"]) == 2
+    assert "--burstiness" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

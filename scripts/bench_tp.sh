@@ -2,8 +2,12 @@
 # Tensor parallelism on 2 GPUs (run on nvidia-h200-x2): `jetserve bench offline` at TP=1 and TP=2 on the 2B and 4B
 # configs (random weights) in one run, then the collectives of a TP=2 decode step against NCCL's bus bandwidth
 # measured here. Prints JSON rows (one per batch size) under a header per run; results go to $OUT (default bench_tp/).
+# Carry ".whl" (fla-core) in the call, as for gpu_check.sh.
 set -euo pipefail
-OUT=${OUT:-bench_tp}
+OUT=$(realpath -m "${OUT:-bench_tp}")
+cd "$(dirname "$0")/.."
+source scripts/carried_wheels.sh
+install_carried_wheels
 BATCH_SIZES=${BATCH_SIZES:-1,8,64,256}
 INPUT_LEN=${INPUT_LEN:-1024}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
@@ -13,16 +17,16 @@ nvidia-smi topo -m | tee "$OUT/topology.txt"
 for config in 2b 4b; do
   for tp in 1 2; do
     echo "== bench offline --config $config --tensor-parallel-size $tp"
-    jetserve bench offline --config "$config" --dtype bfloat16 --tensor-parallel-size "$tp" \
+    python3 -m jetserve.cli bench offline --config "$config" --dtype bfloat16 --tensor-parallel-size "$tp" \
       --batch-sizes "$BATCH_SIZES" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --json \
       | tee "$OUT/offline_${config}_tp${tp}.jsonl"
   done
   echo "== collectives of a TP=2 decode step, $config"
-  python -m jetserve.distributed.bench_collectives --config "$config" --tensor-parallel-size 2 \
+  python3 -m jetserve.distributed.bench_collectives --config "$config" --tensor-parallel-size 2 \
     --batch-sizes "$BATCH_SIZES" | tee "$OUT/collectives_${config}_tp2.jsonl"
 done
 # The TP=2 speed-up per batch size, and the share of a TP=2 decode step its collectives take.
-python - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 def rows(name):

@@ -3,18 +3,13 @@
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]   (STAGES: any of tests,memcheck,kernels,offline; default all)
 set -uo pipefail
-OUT_DIR=${1:-${OUT:-out}}
+OUT_DIR=$(realpath -m "${1:-${OUT:-out}}")  # before the cd: a relative OUT_DIR means one under the caller's folder
 STAGES=${2:-tests,memcheck,kernels,offline}
 mkdir -p "$OUT_DIR"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source scripts/carried_wheels.sh
+install_carried_wheels || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT_DIR/gpu.txt"
 status=0

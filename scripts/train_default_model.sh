@@ -11,6 +11,7 @@
 # A_STEPS/B_STEPS/DRAFT_STEPS, PRETRAIN_ARGS/DRAFT_ARGS (extra arguments, e.g. a micro config for a CPU smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/carried_wheels.sh
 W=${JETSERVE_TRAIN_DIR:-out/train}
 PY=${PYTHON:-python3}
 command=${1:-help}
@@ -54,8 +55,8 @@ gpu() {
     left() { $PY -c "print(max(0.0, $minutes - ($(date +%s) - $start) / 60 - ${1:-0}))"; }
     out=${OUT:-$W/out}
     mkdir -p "$out" "$W"
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/jetserve-train-site "$W"/carry/wheels/*.whl
-    export PYTHONPATH=/tmp/jetserve-train-site:$PWD PYTHONUNBUFFERED=1
+    PYTHON=$PY install_carried_wheels "$W/carry/wheels"  # fla-core and gguf travel inside the carried folder
+    export PYTHONUNBUFFERED=1
     [ -f "$W/tokens/counts.json" ] || $PY -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
         "$W/carry/data.tar.xz" "$W"
     if [ -d "$W/resume" ] && [ ! -d "$W/runs" ]; then

@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         step += 1
         history.append((step, loss.item(), accs))
         if step % 50 == 0 or step == 1:
-            print(f"eagle3: step {step}/{cfg.max_steps} loss {float(loss):.3f} acc "
+            print(f"eagle3: step {step}/{cfg.max_steps} loss {history[-1][1]:.3f} acc "
                   + " ".join(f"{a:.2f}" for a in accs), file=sys.stderr)  # fmt: skip
         out_of_time = time.monotonic() - start > budget_s
         if step % cfg.save_every == 0 or step == cfg.max_steps or out_of_time:

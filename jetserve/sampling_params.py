@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for, per token (vLLM's default cap)
@@ -45,12 +46,13 @@ class SamplingParams:
     def _validate(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an integer ≥ 1 or None, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: must be a number ≥ 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature: must be a finite number ≥ 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an integer ≥ 0 (0 or -1 disables it), got {self.top_k!r}")
+        # The sampler keeps top_k per slot in int32 on the device.
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k: must be an integer in [0, 2**31) (0 or -1 disables it), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):

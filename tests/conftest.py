@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from jetserve import envs
+
 # Must be set before any module defines a @triton.jit kernel: the decorator picks the interpreter at definition time.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -58,6 +60,6 @@ def _loop_indices_as_tensors() -> None:
     interpreter._patch_lang_core = patch_lang_core
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if envs.triton_interpret():
     _autotune_without_gpu_benchmarker()
     _loop_indices_as_tensors()

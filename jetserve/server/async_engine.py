@@ -1,44 +1,24 @@
-"""AsyncEngine: runs LLMEngine's step loop in its own thread and fans its outputs out to per-request asyncio queues."""
+"""AsyncEngine: runs LLMEngine's step loop in its own thread and fans its outputs out to per-request asyncio queues
+(RequestStreams, whose errors it re-exports, shared with the data-parallel router)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.output import RequestOutput
 from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
 from jetserve.server.metrics import ServerMetrics
+from jetserve.server.request_streams import EngineDeadError, RequestRejectedError, RequestStreams
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long the idle loop sleeps between checks when no command wakes it
 
 
-class RequestRejectedError(Exception):
-    """The engine refused a request (its ValueError, whose message names the field before a colon)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; every request in flight got this error and no new one is accepted."""
-
-
-@dataclass
-class _Stream:
-    """One request's channel from the engine thread to the coroutine awaiting it."""
-
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
-    arrival_s: float = field(default_factory=time.perf_counter)
-    last_token_s: float | None = None
-    num_prompt_tokens: int = 0
-
-
-class AsyncEngine:
+class AsyncEngine(RequestStreams):
     """The engine is not thread-safe, so only its thread touches it: coroutines hand `add`/`abort` commands over a
     locked list and wake the thread; after each step the thread posts all outputs to the event loop in one callback,
     which puts each into its request's queue. A request whose consumer goes away (a client disconnect cancels the
@@ -46,15 +26,12 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        super().__init__(metrics)
         self.engine = engine
-        self.metrics = metrics
-        self._streams: dict[str, _Stream] = {}  # touched only on the event loop
-        self._loop: asyncio.AbstractEventLoop | None = None  # the one event loop the requests come from
         self._commands: list[tuple[str, str, list[int] | None, SamplingParams | None, ImageInputs | None]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopping = False
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="jetserve-engine", daemon=True)
 
     @property
@@ -74,41 +51,15 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images: ImageInputs | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; abandoning the iterator aborts the request. `images` (a VLM
-        prompt's, placeholders expanded) may be shared by several requests: the engine encodes them once.
+    def _dead_error(self) -> EngineDeadError | None:
+        return None if self._error is None else EngineDeadError(f"the engine loop failed: {self._error!r}")
 
-        Raises RequestRejectedError when the engine refuses the request, EngineDeadError when its loop has failed."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
-        assert request_id not in self._streams, f"request id {request_id!r} is already in flight"
-        loop = asyncio.get_running_loop()
-        assert self._loop in (None, loop), "an AsyncEngine serves one event loop"
-        self._loop = loop
-        stream = _Stream(num_prompt_tokens=len(prompt_token_ids))
-        self._streams[request_id] = stream
-        self._command("add", request_id, list(prompt_token_ids), params, images)
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine never started it, or has already dropped it
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._command("abort", request_id, None, None, None)
-                if self.metrics is not None:
-                    self.metrics.request_aborted()
+    def _send_add(
+        self, engine_index: int, request_id: str, prompt: list[int], params: SamplingParams, images: ImageInputs | None
+    ) -> None:
+        self._command("add", request_id, prompt, params, images)
 
-    def abort(self, request_id: str) -> None:
+    def _send_abort(self, engine_index: int, request_id: str) -> None:
         self._command("abort", request_id, None, None, None)
 
     # ---- the engine thread ----
@@ -162,46 +113,8 @@ class AsyncEngine:
             except Exception as e:  # a bug or a device failure: fail every request rather than hang them
                 logger.exception("engine loop failed")
                 self._error = e
-                self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
+                self._fail(EngineDeadError(f"the engine loop failed: {e!r}"))
                 return
-
-    def _post(self, items: list) -> None:
-        """Hand a step's outputs (or rejections) to the event loop in one callback."""
-        self._call_on_loop(self._dispatch, items)
-
-    def _call_on_loop(self, callback, *args) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop has closed (server shutting down)
-            pass
-
-    def _dispatch(self, items: list) -> None:
-        """On the event loop: route each output (or (request_id, error) rejection) to its request's queue."""
-        now = time.perf_counter()
-        for item in items:
-            if isinstance(item, tuple):
-                request_id, error = item
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(error)
-                continue
-            stream = self._streams.get(item.request_id)
-            if stream is None:
-                continue  # its consumer left; the abort is on its way
-            if self.metrics is not None:
-                self.metrics.output_received(item, stream.num_prompt_tokens, stream.arrival_s, stream.last_token_s, now)
-            stream.last_token_s = now
-            stream.queue.put_nowait(item)
-
-    def _fail_all(self, error: BaseException) -> None:
-        def fail_streams() -> None:
-            for stream in self._streams.values():
-                stream.queue.put_nowait(error)
-
-        self._call_on_loop(fail_streams)
 
     def _sample_metrics(self, step_s: float) -> None:
         if self.metrics is not None:

@@ -4,23 +4,21 @@ replicas' engine metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from jetserve.config import ModelConfig, is_vlm_config
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.output import RequestOutput
+from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
-from jetserve.server.async_engine import EngineDeadError, RequestRejectedError
 from jetserve.server.metrics import ServerMetrics
+from jetserve.server.request_streams import EngineDeadError, RequestRejectedError, RequestStreams
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +133,6 @@ def _replica_main(config: EngineConfig, conn, num_threads: int) -> None:
         engine.shutdown()
 
 
-@dataclass
-class _Stream:
-    replica: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
-    arrival_s: float = field(default_factory=time.perf_counter)
-    last_token_s: float | None = None
-    num_prompt_tokens: int = 0
-
-
 class _Replica:
     def __init__(self, index: int, config: EngineConfig, num_threads: int) -> None:
         ctx = mp.get_context("spawn")
@@ -165,10 +154,11 @@ class _Replica:
             self.conn.send(message)
 
 
-class DataParallelRouter:
+class DataParallelRouter(RequestStreams):
     """AsyncEngine's interface (what OpenAIServer and the app's lifespan use) over `data_parallel_size` replica
     processes (multiprocessing spawn). Each replica owns its devices (cuda:i·tp … on a GPU host) and an engine
-    loop; the router keeps one asyncio queue per request, as AsyncEngine does, fed by one reader thread per replica.
+    loop; the router keeps one asyncio queue per request (RequestStreams, as AsyncEngine), fed by one reader thread
+    per replica.
 
     A request goes to the replica with the fewest requests in flight (ties: the one given fewer so far), and stays
     there. The replicas send their engine numbers with every step's outputs; /metrics shows their sum.
@@ -177,8 +167,8 @@ class DataParallelRouter:
     def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None, num_threads: int = 1) -> None:
         if config.data_parallel_size < 2:
             raise ValueError(f"data_parallel_size: the router needs ≥ 2 replicas, got {config.data_parallel_size}")
+        super().__init__(metrics)
         self.config = config
-        self.metrics = metrics
         configs = [replica_config(config, i) for i in range(config.data_parallel_size)]  # fails before spawning
         model_config = ModelConfig.from_hf(config.model)
         # What OpenAIServer reads of an engine; a VLM's images travel to the replicas as pixels.
@@ -186,9 +176,6 @@ class DataParallelRouter:
             model_config=model_config, config=config, vision=True if is_vlm_config(config.model) else None
         )
         self._replicas = [_Replica(i, c, num_threads) for i, c in enumerate(configs)]
-        self._streams: dict[str, _Stream] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
         self._is_stopping = False
         lens = []
         try:
@@ -243,47 +230,28 @@ class DataParallelRouter:
                 replica.process.join(timeout_s)
             replica.is_alive = False
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *args
-    ) -> AsyncIterator[RequestOutput]:
-        """As AsyncEngine.generate: the request's outputs until it finishes; abandoning the iterator aborts it."""
-        if not self.is_alive:
-            raise EngineDeadError(f"a replica has stopped: {self._error!r}")
-        assert request_id not in self._streams, f"request id {request_id!r} is already in flight"
-        loop = asyncio.get_running_loop()
-        assert self._loop in (None, loop), "a router serves one event loop"
-        self._loop = loop
+    def _dead_error(self) -> EngineDeadError | None:
+        return None if self.is_alive else EngineDeadError(f"a replica has stopped: {self._error!r}")
+
+    def _assign(self) -> int:
         replica = min(self._replicas, key=lambda r: (r.num_in_flight, r.num_assigned, r.index))
-        stream = _Stream(replica.index, num_prompt_tokens=len(prompt_token_ids))
-        self._streams[request_id] = stream
         replica.num_in_flight += 1
         replica.num_assigned += 1
-        finished = False
-        try:
-            replica.send("add", request_id, list(prompt_token_ids), params, *args)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            replica.num_in_flight -= 1
-            if not finished:
-                self.abort(request_id, replica.index)
-                if self.metrics is not None:
-                    self.metrics.request_aborted()
+        return replica.index
 
-    def abort(self, request_id: str, replica: int | None = None) -> None:
-        stream = self._streams.get(request_id)
-        index = replica if replica is not None else (stream.replica if stream is not None else None)
-        if index is not None and self._replicas[index].is_alive:
+    def _release(self, engine_index: int) -> None:
+        self._replicas[engine_index].num_in_flight -= 1
+
+    def _send_add(
+        self, engine_index: int, request_id: str, prompt: list[int], params: SamplingParams, images: ImageInputs | None
+    ) -> None:
+        self._replicas[engine_index].send("add", request_id, prompt, params, images)
+
+    def _send_abort(self, engine_index: int, request_id: str) -> None:
+        replica = self._replicas[engine_index]
+        if replica.is_alive:
             try:
-                self._replicas[index].send("abort", request_id)
+                replica.send("abort", request_id)
             except OSError:
                 pass
 
@@ -298,7 +266,7 @@ class DataParallelRouter:
                     logger.error("replica %d stopped: %r", replica.index, e)
                     replica.is_alive = False
                     self._error = EngineDeadError(f"replica {replica.index} stopped")
-                    self._call_on_loop(self._fail_replica, replica.index)
+                    self._fail(self._error, replica.index)
                 return
             assert kind == "outputs"
             replica.stats = stats
@@ -307,35 +275,4 @@ class DataParallelRouter:
                 self.metrics.sample_engine(total.as_engine(), step_s)
             items = [*outputs, *((rid, RequestRejectedError(msg)) for rid, msg in rejections)]
             if items:
-                self._call_on_loop(self._dispatch, items)
-
-    def _call_on_loop(self, callback, *args) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop has closed (server shutting down)
-            pass
-
-    def _dispatch(self, items: list) -> None:
-        now = time.perf_counter()
-        for item in items:
-            if isinstance(item, tuple):
-                request_id, error = item
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(error)
-                continue
-            stream = self._streams.get(item.request_id)
-            if stream is None:
-                continue
-            if self.metrics is not None:
-                self.metrics.output_received(item, stream.num_prompt_tokens, stream.arrival_s, stream.last_token_s, now)
-            stream.last_token_s = now
-            stream.queue.put_nowait(item)
-
-    def _fail_replica(self, index: int) -> None:
-        for stream in self._streams.values():
-            if stream.replica == index:
-                stream.queue.put_nowait(EngineDeadError(f"replica {index} stopped"))
+                self._post(items)

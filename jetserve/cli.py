@@ -7,12 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
-    return value
+from jetserve.engine.args import positive_int
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +16,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete one prompt on the engine and print the text")
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, model.safetensors, tokenizer)")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=_positive_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -76,13 +71,13 @@ def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="tiny", help="tiny | 2b | 4b | path to a config JSON")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-layers", type=_positive_int)
-    p.add_argument("--vocab-size", type=_positive_int)
+    p.add_argument("--num-layers", type=positive_int)
+    p.add_argument("--vocab-size", type=positive_int)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument(
         "--draft-for", metavar="DIR", help="write a random EAGLE-3 draft (SpecForge layout) for the target in DIR"
     )
-    p.add_argument("--draft-vocab-size", type=_positive_int, help="with --draft-for: the draft's reduced vocabulary")
+    p.add_argument("--draft-vocab-size", type=positive_int, help="with --draft-for: the draft's reduced vocabulary")
     p.set_defaults(func=_make_checkpoint)
 
 

@@ -10,6 +10,14 @@ from jetserve.engine.config import DTYPES, EngineConfig
 _SCALARS = {"int": int, "float": float, "str": str}
 
 
+def positive_int(text: str) -> int:
+    """An argparse `type` for a count flag: an int ≥ 1, else a usage error."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
+    return value
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
     """Add a flag per EngineConfig field (its default, its type) except the fields in `skip`, which the command
     sets through flags of its own."""

@@ -8,14 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jetserve.engine.args import positive_int
+
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -31,9 +26,9 @@ def _add_server_args(
     p.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the jetserve server (with or without /v1)")
     p.add_argument("--model", help="model name sent in requests (default: the first one /v1/models lists)")
     p.add_argument("--api-key", help="sent as a bearer token when the server needs one")
-    p.add_argument("--parallel", type=_positive_int, default=parallel, help="requests in flight at once")
-    p.add_argument("--limit", type=_positive_int, help=limit_help)
-    p.add_argument("--max-tokens", type=_positive_int, default=max_tokens, help="output tokens per request at most")
+    p.add_argument("--parallel", type=positive_int, default=parallel, help="requests in flight at once")
+    p.add_argument("--limit", type=positive_int, help=limit_help)
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="output tokens per request at most")
     p.add_argument("--label", help="inference type shown by compare (default: speculative or standard, from /metrics)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
     p.add_argument("--out", help="result JSON path (default: ./jetserve-eval-<eval>-<UTC time>.json)")

@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jetserve.engine.args import positive_int
+
 
 @dataclass
 class RequestResult:
@@ -51,14 +53,14 @@ def add_bench_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to send (default: the first one GET /v1/models lists)")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    p.add_argument("--num-prompts", type=_positive_int, default=200)
+    p.add_argument("--num-prompts", type=positive_int, default=200)
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: all at once)"
     )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight at most")
-    p.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens per request")
-    p.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
+    p.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn from [len*(1-r), len*(1+r)]")
     p.add_argument(
         "--vocab-range", type=int, nargs=2, default=(0, 256), metavar=("LO", "HI"),
@@ -71,13 +73,6 @@ def add_bench_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", metavar="FILE", help="also write the report there")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.add_argument("--disable-progress", action="store_true")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
-    return value
 
 
 def run_bench_serving(args: argparse.Namespace) -> int:

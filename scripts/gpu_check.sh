@@ -2,6 +2,9 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]   (STAGES: any of tests,memcheck,kernels,offline; default all)
+# First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
+# Each stage fits one 10-minute call: e.g. `bash scripts/gpu_check.sh $OUT tests`, then `... memcheck,kernels`, then
+# `... offline`.
 set -uo pipefail
 OUT_DIR=$(realpath -m "${1:-${OUT:-out}}")  # before the cd: a relative OUT_DIR means one under the caller's folder
 STAGES=${2:-tests,memcheck,kernels,offline}

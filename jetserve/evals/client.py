@@ -24,6 +24,7 @@ METRIC_ACCEPTED_TOKENS = "jetserve:spec_decode_num_accepted_tokens_total"
 # Verify steps, when the server counts them (vLLM's `spec_decode_num_drafts`); else τ is derived from output tokens.
 METRIC_VERIFY_STEPS = "jetserve:spec_decode_num_drafts_total"
 METRIC_GENERATION_TOKENS = "jetserve:generation_tokens_total"
+METRIC_SPEC_ENABLED = "jetserve:spec_decode_enabled"  # a gauge: 1 when the server runs a draft model
 
 
 class EvalError(ValueError):
@@ -159,6 +160,8 @@ def speculation_stats(
 
     drafts, accepted = delta(METRIC_DRAFT_TOKENS), delta(METRIC_ACCEPTED_TOKENS)
     stats: dict[str, Any] = {"draft_tokens": int(drafts), "accepted_tokens": int(accepted)}
+    if METRIC_SPEC_ENABLED in after:
+        stats["enabled"] = after[METRIC_SPEC_ENABLED] > 0
     if drafts <= 0:
         return stats | {"tau": None, "acceptance_rate": None, "reason": "the server proposed no draft tokens"}
     stats["acceptance_rate"] = accepted / drafts

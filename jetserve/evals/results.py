@@ -48,8 +48,12 @@ def result_header(eval_name: str, base_url: str, model: str, label: str, config:
 
 
 def default_label(speculation: dict[str, Any]) -> str:
-    """The inference type when the user gives no --label: speculative when the server proposed drafts."""
-    return "speculative" if speculation.get("draft_tokens", 0) > 0 else "standard"
+    """The inference type when the user gives no --label: speculative when the server runs a draft model (its
+    `jetserve:spec_decode_enabled` gauge), else — for servers without that gauge — when it proposed drafts."""
+    enabled = speculation.get("enabled")
+    if enabled is None:
+        enabled = speculation.get("draft_tokens", 0) > 0
+    return "speculative" if enabled else "standard"
 
 
 def write_result(result: dict[str, Any], out: str | None) -> Path:

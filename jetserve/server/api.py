@@ -97,6 +97,8 @@ class OpenAIServer:
         self.image_processor: ImageProcessor | None = None
         self.image_placeholder: str | None = None  # the image token's text, where an image part sits in the prompt
         llm_engine = engine.engine
+        # Whether this server speculates is configuration, not what a window of traffic happened to show.
+        self.metrics.spec_enabled.set(1 if getattr(getattr(llm_engine, "config", None), "draft", None) else 0)
         if getattr(llm_engine, "vision", None) is not None:
             line_feed = tokenizer.encode("\n")
             assert len(line_feed) == 1, "the tokenizer must encode a line feed as one token"

@@ -65,6 +65,9 @@ class ServerMetrics:
         self.acceptance_rate = gauge(
             "jetserve:spec_decode_acceptance_rate", "Accepted over proposed draft tokens (0 without drafts)."
         )
+        self.spec_enabled = gauge(
+            "jetserve:spec_decode_enabled", "1 when the engine runs a draft model (speculative decoding), else 0."
+        )
         self._last_totals = {"preemptions": 0, "draft_tokens": 0, "accepted": 0, "drafts": 0}
 
     def finished(self, reason: str) -> None:

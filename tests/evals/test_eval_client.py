@@ -10,6 +10,7 @@ from jetserve.evals.client import (
     METRIC_ACCEPTED_TOKENS,
     METRIC_DRAFT_TOKENS,
     METRIC_GENERATION_TOKENS,
+    METRIC_SPEC_ENABLED,
     METRIC_VERIFY_STEPS,
     EvalClient,
     ProgressBar,
@@ -17,6 +18,7 @@ from jetserve.evals.client import (
     run_parallel,
     speculation_stats,
 )
+from jetserve.evals.results import default_label
 
 
 def test_parse_prometheus_sums_label_sets():
@@ -69,6 +71,17 @@ def test_tau_not_available():
     idle = {METRIC_DRAFT_TOKENS: 3.0, METRIC_ACCEPTED_TOKENS: 1.0, METRIC_GENERATION_TOKENS: 10.0}
     stats = speculation_stats(idle, idle, 1)
     assert stats["tau"] is None and stats["draft_tokens"] == 0 and "no draft" in stats["reason"]
+
+
+def test_label_follows_the_servers_draft_gauge():
+    # A log-likelihood eval proposes no drafts even on a speculating server: the gauge, not the traffic, decides.
+    quiet = {METRIC_DRAFT_TOKENS: 3.0, METRIC_ACCEPTED_TOKENS: 1.0, METRIC_GENERATION_TOKENS: 10.0}
+    stats = speculation_stats(quiet, quiet | {METRIC_SPEC_ENABLED: 1.0}, 1)
+    assert stats["enabled"] is True and default_label(stats) == "speculative"
+    assert default_label(speculation_stats(quiet, quiet | {METRIC_SPEC_ENABLED: 0.0}, 1)) == "standard"
+    busy = {METRIC_DRAFT_TOKENS: 9.0, METRIC_ACCEPTED_TOKENS: 4.0, METRIC_GENERATION_TOKENS: 20.0}
+    assert default_label(speculation_stats(quiet, busy, 1)) == "speculative"  # an older server: drafts decide
+    assert default_label(speculation_stats(quiet, quiet, 1)) == "standard"
 
 
 def test_run_parallel_keeps_order_and_bounds_concurrency():

@@ -39,6 +39,7 @@ def test_models_health_and_metrics_endpoints(running_server):
                  "state_slot_usage_perc", "spec_decode_acceptance_rate"):  # fmt: skip
         assert f"jetserve:{name}" in text, name
     assert running_server.metric("jetserve:spec_decode_acceptance_rate") == 0.0
+    assert running_server.metric("jetserve:spec_decode_enabled") == 0.0  # no --draft
 
 
 def test_concurrent_completions_equal_offline_greedy(running_server, offline):

@@ -1,6 +1,6 @@
 """CUDA graphs, one per batch-size bucket: GraphRunner captures the decode step (ForwardBatch built on the device,
-model, logits, and the draft's target features when speculating); SpecGraphRunner the speculative steps (the draft's
-catch-up after a decode step, drafting, and verify with acceptance, commit and catch-up)."""
+model, logits, and the draft's target features when speculating); SpecGraphRunner the speculative steps (drafting,
+and verify with acceptance, commit and the draft's catch-up)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,6 @@ def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:
 class SpecGraphRunner:
     """Graphs of the speculative steps for buckets up to SPEC_GRAPH_MAX_BATCH, sharing the decode graphs' pool:
 
-    - catch-up `B`: after a (graphed) decode step, the draft takes the sampled tokens with the decode graph's features;
     - draft `(B, shape)`: the tree of each row into static tree buffers (per shape);
     - verify `(B, shape, greedy)`: target verify of those trees, acceptance, commit, the draft's catch-up on the
       accepted tokens, and the [B, T_d + 2] result the host reads.
@@ -122,14 +121,14 @@ class SpecGraphRunner:
         self.spec = spec
         runner = spec.runner
         self.decode_graphs = runner.graph_runner
-        assert self.decode_graphs is not None, "capture the decode graphs first (the catch-up reads their features)"
+        assert self.decode_graphs is not None, "capture the decode graphs first (the graphs share their pool)"
         sizes = [b for b in batch_sizes if b <= SPEC_GRAPH_MAX_BATCH]
         self.batch_sizes = sorted(set(sizes)) or [min(batch_sizes)]
         self.max_batch_size = self.batch_sizes[-1]
         device = runner.device
         B = self.max_batch_size
-        self.tokens = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: sampled tokens / tree roots
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: new position / cached prefix
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: tree roots
+        self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: cached prefix
         self.slots = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
         self.trees: list[DraftTree] = []
         self.results: list[torch.Tensor] = []
@@ -148,11 +147,6 @@ class SpecGraphRunner:
 
     # ---- the captured bodies ----
 
-    def _catch_up(self, B: int) -> None:
-        cu = torch.arange(B + 1, device=self.tokens.device)
-        aux = self.decode_graphs.aux_hidden_states(B)
-        self.spec.catch_up(self.tokens[:B], aux, cu, self.positions[:B], self.slots[:B], 1)
-
     def _draft(self, B: int, shape: int) -> None:
         tree = self.spec.draft_tree(shape, self.tokens[:B], self.positions[:B], self.slots[:B])
         static = self.trees[shape]
@@ -169,7 +163,6 @@ class SpecGraphRunner:
     def capture(self) -> None:
         self._pad(0)
         for B in reversed(self.batch_sizes):
-            self.pool = _capture(("catch-up", B), self.graphs, self.pool, lambda B=B: self._catch_up(B))
             for shape in range(len(self.spec.shapes)):
                 self.pool = _capture(
                     ("draft", B, shape), self.graphs, self.pool, lambda B=B, s=shape: self._draft(B, s)
@@ -195,10 +188,6 @@ class SpecGraphRunner:
         return B
 
     # ---- replay ----
-
-    def catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor) -> None:
-        """After a graphed decode step of N rows (its bucket is this one's): tokens, positions, slots [N]."""
-        self.graphs[("catch-up", self._load(tokens, positions, state_indices))].replay()
 
     def draft(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
         N = roots.shape[0]

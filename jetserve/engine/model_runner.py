@@ -39,8 +39,9 @@ class ModelRunner:
     and one copy to the device; everything derived from them (K/V slot mapping, block tables, sampling rows) is
     computed on the device from tables indexed by state slot. The one synchronisation is reading the sampled tokens.
 
-    With a SpecDecoder attached (`attach_spec`), PREFILL and DECODE steps also capture the draft's target features
-    and catch the draft up on the positions they cached, and VERIFY steps run through the SpecDecoder.
+    With a SpecDecoder attached (`attach_spec`), PREFILL and DECODE steps also capture the draft's target features;
+    PREFILL steps catch the draft up on the positions they cached, DECODE steps leave their features to the
+    SpecDecoder for a later catch-up (`defer_decode`), and VERIFY steps run through the SpecDecoder.
     """
 
     def __init__(self, model: JetNemotronForCausalLM, plan: MemoryPlan, state_pool: StatePool) -> None:
@@ -125,9 +126,10 @@ class ModelRunner:
         tokens = self.sampler(logits, state_indices, counters, is_all_greedy)  # [N]
         if self.spec is not None:
             if batch.phase is Phase.DECODE:
-                self._catch_up_decode(tokens, positions, state_indices, is_graphed)
+                aux = self.graph_runner.aux_hidden_states(len(seqs)) if is_graphed else self.model.aux_hidden_states
+                self.spec.defer_decode(seqs, slots, positions, state_indices, aux)
             else:
-                self._catch_up_prefill(batch, fb, tokens)
+                self._catch_up_prefill(batch, fb, tokens, slots)
         out = StepOutput(tokens.tolist())
         if any(s.sampling_params.logprobs is not None for s in seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
@@ -135,22 +137,11 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         return out
 
-    def _catch_up_decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor, is_graphed: bool
-    ) -> None:
-        """The draft takes position n of each decoding sequence: (the token just sampled, the feature at n)."""
-        spec = self.spec
-        if is_graphed and spec.graphs is not None and spec.graphs.fits(tokens.shape[0]):
-            spec.graphs.catch_up(tokens, positions, state_indices)
-            return
-        num_seqs = tokens.shape[0]
-        cu = torch.arange(num_seqs + 1, device=self.device)
-        aux = self.graph_runner.aux_hidden_states(num_seqs) if is_graphed else self.model.aux_hidden_states
-        spec.catch_up(tokens, aux, cu, positions, state_indices.long(), 1)
-
-    def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor) -> None:
+    def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by
-        one, then token e — the one just sampled where the chunk ends its sequence, else the next prompt token."""
+        one, then token e — the one just sampled where the chunk ends its sequence, else the next prompt token.
+        Positions before s that plain decode steps left to the draft are caught up on first."""
+        self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
         chunks = zip(batch.seqs, batch.start_positions, batch.num_new_tokens, batch.is_sampling, strict=True)
         follow = [-1 if sampled else seq.token_ids[start + n] for seq, start, n, sampled in chunks]  # -1: sampled
         (follow_d,) = self.upload(np.array([follow], dtype=np.int64))  # [N]

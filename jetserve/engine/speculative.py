@@ -1,6 +1,6 @@
 """SpecDecoder: EAGLE-3 speculative decoding inside the engine — the draft's K/V pages and per-slot hidden state, its
-catch-up after prefill and decode steps, the VERIFY step (draft tree → target verify → commit → catch-up), the
-adaptive choice of tree size per step, and the counters the server and the benchmark read."""
+catch-up after prefill steps and (deferred) after plain decode steps, the VERIFY step (draft tree → target verify →
+commit → catch-up), the adaptive choice of tree size per step, and the counters the server and the benchmark read."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ TIME_EMA = 0.2
 ACCEPT_EMA = 0.05
 # Every this many steps of one batch-size bucket, the least recently measured option is tried again.
 EXPLORE_EVERY = 64
+# Positions per sequence that plain decode steps may leave the draft behind by (their features wait in a per-slot ring
+# buffer); a sequence that reaches it catches up on all of them in one draft forward.
+MISSED_CAPACITY = 32
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class SpecStats:
     num_accepted_tokens: int = 0  # drafted nodes accepted
     drafted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts with ≥ d accepted nodes
-    draft_seconds: float = 0.0  # drafting the trees
+    draft_seconds: float = 0.0  # drafting the trees, after catching up on what plain steps skipped
     verify_seconds: float = 0.0  # target verify, acceptance, commit, and the draft's catch-up on accepted tokens
 
     def add(self, num_nodes: int, accepted_drafts: list[int], depths: list[int]) -> None:
@@ -199,10 +202,14 @@ class SpecDecoder:
     target's `attn` block table (draft position t uses the page of target position t); `last_hidden` `[S, H]` holds,
     per state slot, the draft output at the sequence's last cached position: what the next tree grows from.
 
-    Draft position t holds (token t + 1, target feature at t). After every target step the draft catches up on the
-    positions that step cached: `catch_up` after PREFILL (chunk [s, e) gives tokens [s + 1, e + 1), the last one the
-    token just sampled where the chunk ends the sequence) and DECODE steps, `extend_after_verify` inside VERIFY.
-    A preempted sequence recomputes through prefill, so its draft cache is rebuilt the same way.
+    Draft position t holds (token t + 1, target feature at t). The draft catches up on the positions a target step
+    cached: `catch_up` after PREFILL (chunk [s, e) gives tokens [s + 1, e + 1), the last one the token just sampled
+    where the chunk ends the sequence), `extend_after_verify` inside VERIFY. A plain DECODE step does not run the
+    draft: `defer_decode` stores its target features in `missed_features` (a ring of `MISSED_CAPACITY` positions per
+    slot), and `flush` runs one draft forward over every position a sequence missed (its tokens are on the host) before
+    the draft is next needed: a VERIFY step, a PREFILL chunk of the sequence, or a full ring. `draft_len[slot]` (host)
+    counts the positions the draft cache holds. A preempted sequence recomputes through prefill, so its draft cache is
+    rebuilt the same way.
     """
 
     def __init__(
@@ -229,6 +236,13 @@ class SpecDecoder:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         draft.bind_cache(self.k_cache, self.v_cache)
         self.last_hidden = torch.zeros(plan.num_slots, draft.config.hidden_size, dtype=dtype, device=device)  # [S, H]
+        # Target features of positions plain decode steps cached and the draft has not seen: position t of the
+        # sequence in slot s at [s, t % MISSED_CAPACITY], one [S, C, H_t] per capture layer.
+        missed_shape = (plan.num_slots, MISSED_CAPACITY, runner.config.hidden_size)
+        self.missed_features = [
+            torch.zeros(missed_shape, dtype=runner.dtype, device=device) for _ in self.capture_layers
+        ]
+        self.draft_len = [0] * plan.num_slots  # per slot: positions [0, draft_len) are in the draft cache
         self.policy = AdaptivePolicy(shapes, adaptive)
         self.stats = SpecStats()
         self.tree_override: TreeOverride | None = None
@@ -243,7 +257,8 @@ class SpecDecoder:
     # ---- bookkeeping ----
 
     def on_claim(self, seq: Sequence, slot: int) -> None:
-        """A sequence took `slot`: load its forced continuation (forced-acceptance runs)."""
+        """A sequence took `slot` (it starts from position 0): load its forced continuation (forced-acceptance runs)."""
+        self.draft_len[slot] = 0
         if self.forced is None:
             return
         tokens = self.forced_continuations.get(seq.request_id)
@@ -267,6 +282,60 @@ class SpecDecoder:
         self.policy.record_step(option, num_seqs, seconds)
 
     # ---- draft catch-up after target steps ----
+
+    def defer_decode(
+        self,
+        seqs: list[Sequence],
+        slots_host: np.ndarray,  # [N] int64
+        positions: torch.Tensor,  # [N] int64: the position each sequence cached this step
+        slots: torch.Tensor,  # [N]
+        aux_hidden_states: list[torch.Tensor],  # the target's features at those positions, one [N, H_t] per layer
+    ) -> None:
+        """After a plain DECODE step: keep the step's target features for a later `flush` instead of running the
+        draft. A sequence whose ring is full catches up first (on every position before this one)."""
+        full = [seq.num_computed_tokens - self.draft_len[slot] >= MISSED_CAPACITY
+                for seq, slot in zip(seqs, slots_host.tolist(), strict=True)]  # fmt: skip
+        if any(full):
+            rows = [i for i, f in enumerate(full) if f]
+            self.flush([seqs[i] for i in rows], slots_host[rows], [seqs[i].num_computed_tokens for i in rows])
+        index = (slots.long(), positions % MISSED_CAPACITY)
+        for buffer, aux in zip(self.missed_features, aux_hidden_states, strict=True):
+            buffer[index] = aux
+
+    def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
+        """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in
+        one draft forward: position t takes (token t + 1 from the host, the stored feature at t)."""
+        todo = [(seq, slot, end) for seq, slot, end in zip(seqs, slots_host.tolist(), ends, strict=True)
+                if self.draft_len[slot] < end]  # fmt: skip
+        if not todo:
+            return
+        lens = [end - self.draft_len[slot] for _, slot, end in todo]
+        assert all(n <= MISSED_CAPACITY for n in lens), "a sequence missed more positions than its ring holds"
+        num_seqs, num_tokens = len(todo), sum(lens)
+        host = np.zeros((6, num_tokens + 1), dtype=np.int64)  # T ≥ N, so every column fits
+        host[0, :num_tokens] = [t for seq, slot, end in todo for t in seq.token_ids[self.draft_len[slot] + 1 : end + 1]]
+        host[1, :num_tokens] = [p for _, slot, end in todo for p in range(self.draft_len[slot], end)]
+        host[2, :num_tokens] = np.repeat([slot for _, slot, _ in todo], lens)
+        np.cumsum(lens, out=host[3, 1 : num_seqs + 1])
+        host[4, :num_seqs] = [self.draft_len[slot] for _, slot, _ in todo]
+        host[5, :num_seqs] = [slot for _, slot, _ in todo]
+        dev = self.runner.upload(host)
+        ids, positions, rows = (t[:num_tokens] for t in dev[:3])
+        cu, starts, slots = dev[3][: num_seqs + 1], dev[4][:num_seqs], dev[5][:num_seqs]
+        index = (rows, positions % MISSED_CAPACITY)
+        features = [buffer[index] for buffer in self.missed_features]  # one [T, H_t] per layer
+        kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
+        self.last_hidden[slots] = self.drafters[0].extend(ids, features, cu, starts, kv, max(lens))  # [N, H]
+        for _, slot, end in todo:
+            self.draft_len[slot] = end
+
+    def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> None:
+        """Before `catch_up` on PREFILL chunks [s, s + n): flush what each sequence missed before s; afterwards the
+        draft holds [0, s + n)."""
+        self.flush(seqs, slots_host, starts)
+        for slot, start, n in zip(slots_host.tolist(), starts, lens, strict=True):
+            assert self.draft_len[slot] == start, "the draft cache must reach a prefill chunk's start"
+            self.draft_len[slot] = start + n
 
     def catch_up(
         self,
@@ -331,6 +400,8 @@ class SpecDecoder:
         host[2] = slots_host
         roots, prefix, slots = self.runner.upload(host)
         timer = _PhaseTimer(self.runner.device)
+        timer.mark()
+        self.flush(seqs, slots_host, host[1].tolist())
         use_graphs = self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs))
         timer.mark()
         if use_graphs:
@@ -347,12 +418,14 @@ class SpecDecoder:
             result = self.verify(shape, tree, prefix, slots, sampling)
         timer.mark()
         rows = result.tolist()  # the step's one synchronisation
-        draft_s, verify_s = timer.seconds()
+        flush_s, draft_s, verify_s = timer.seconds()
         num_nodes = self.shapes[shape].num_draft_tokens
+        for slot, cached, row in zip(slots_host.tolist(), host[1].tolist(), rows, strict=True):
+            self.draft_len[slot] = cached + row[num_nodes]
         emitted = [row[: row[num_nodes]] for row in rows]
         accepted_drafts = [row[num_nodes] - 1 for row in rows]
         self.stats.add(num_nodes, accepted_drafts, [row[num_nodes + 1] for row in rows])
-        self.stats.draft_seconds += draft_s
+        self.stats.draft_seconds += flush_s + draft_s
         self.stats.verify_seconds += verify_s
         self.policy.record_acceptance(shape, accepted_drafts)
         return emitted

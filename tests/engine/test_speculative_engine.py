@@ -15,9 +15,10 @@ import torch
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import EXPLORE_EVERY, AdaptivePolicy, DraftShape, draft_shapes
+from jetserve.engine.speculative import EXPLORE_EVERY, MISSED_CAPACITY, AdaptivePolicy, DraftShape, draft_shapes
 from jetserve.generate import generate_tokens
 from jetserve.llm import LLM
+from jetserve.model.forward_batch import Phase
 from jetserve.model.static_cache import StaticCache
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint
@@ -419,7 +420,6 @@ def _eager_graphs(engine: LLMEngine, sizes: list[int]) -> None:
     runner.graph_runner = decode
     graphs = SpecGraphRunner(spec, sizes)
     for B in graphs.batch_sizes:
-        graphs.graphs[("catch-up", B)] = _EagerGraph(lambda B=B: graphs._catch_up(B))
         for s in range(len(spec.shapes)):
             graphs.graphs[("draft", B, s)] = _EagerGraph(lambda B=B, s=s: graphs._draft(B, s))
             for g in (True, False):
@@ -480,3 +480,101 @@ def test_adaptive_speculation_with_greedy_and_sampled_rows(
     measured = {option for option, _ in engine.spec.policy.step_seconds}
     assert measured == {0, 1, -1}
     assert engine.num_verify_steps > 0
+
+
+def _draft_kv(engine: LLMEngine, slot: int, num_positions: int) -> torch.Tensor:
+    """The draft's K and V at positions [0, num_positions) of the sequence in `slot`: [2, n, HK, Dh]."""
+    spec, page_size = engine.spec, engine.runner.page_size
+    positions = torch.arange(num_positions)
+    pages = engine.runner.block_table[slot, positions // page_size].long()
+    flat = pages * page_size + positions % page_size
+    size = spec.k_cache.shape[0] * page_size
+    return torch.stack([c.view(size, *c.shape[2:])[flat] for c in (spec.k_cache, spec.v_cache)])
+
+
+def _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, prompts, params) -> list[list[int]]:
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **CHAIN)
+    engine.set_speculation(False)
+    return run(engine, prompts, params)
+
+
+def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """The policy forced to plain decoding for longer than the missed-feature ring, then to a draft shape: the draft
+    lags at most MISSED_CAPACITY positions meanwhile, and after the first verify step its K/V and hidden state, and
+    the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs."""
+    chosen = [prompts[i] for i in (1, 3, 4)]
+    params = greedy(max_tokens=64)
+    expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
+    always = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
+    assert run(always, chosen, params) == expected
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
+    spec = engine.spec
+    for i, prompt in enumerate(chosen):
+        engine.add_request(str(i), prompt, params)
+    engine.step()  # prefill (the draft catches up on the prompts)
+    spec.policy.forced_option = -1
+    max_lag = 0
+    for _ in range(MISSED_CAPACITY + 8):
+        engine.step()
+        lags = [s.num_computed_tokens - spec.draft_len[s.slot] for s in engine.scheduler.running]
+        max_lag = max(max_lag, *lags)
+    assert 0 < max_lag <= MISSED_CAPACITY and spec.stats.num_verify_steps == 0
+    spec.policy.forced_option = 0
+    engine.step()
+    assert spec.stats.num_verify_steps == 1
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 3 and all(spec.draft_len[s.slot] == s.num_computed_tokens for s in seqs)
+    snapshots = []  # (cached tokens, JetBlock state, draft hidden, draft K/V) before a fresh engine rebinds the model
+    for seq in seqs:
+        n = seq.num_computed_tokens
+        state = (_jet_state(engine, seq.slot), spec.last_hidden[seq.slot].clone(), _draft_kv(engine, seq.slot, n))
+        snapshots.append((seq.token_ids[:n], *state))
+    final = {}
+    while engine.has_unfinished_requests():
+        final |= {o.request_id: o.output_token_ids for o in engine.step() if o.finished}
+    assert engine.is_idle_and_clean()
+    for cached, jet, hidden, draft_kv in snapshots:
+        fresh = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
+        fresh.add_request("x", cached, greedy(max_tokens=1))
+        fresh.step()
+        for a, b in zip(jet, _jet_state(fresh, 1), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(hidden, fresh.spec.last_hidden[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(draft_kv, _draft_kv(fresh, 1, len(cached)), rtol=1e-4, atol=1e-4)
+    assert [final[str(i)] for i in range(3)] == expected
+
+
+def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """With measured times that make plain decoding the best option, DECODE steps run no draft forward (PREFILL
+    chunks still do); the periodic exploration of a shape catches the draft up and stays exact."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, max_num_batched_tokens=16, **TREE)
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4, 8):
+        policy.step_seconds |= {(0, bucket): 1.0, (1, bucket): 1.0, (-1, bucket): 1e-3}
+        policy.bucket_steps[bucket] = EXPLORE_EVERY - 12  # one exploration step within the run
+    calls = [0]
+    forward = engine.spec.draft.forward
+
+    def counting_forward(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    engine.spec.draft.forward = counting_forward
+    phases = []
+    step_batch = engine.runner.run
+
+    def counting_run(batch):
+        before = calls[0]
+        out = step_batch(batch)
+        phases.append((batch.phase, calls[0] - before))
+        return out
+
+    engine.runner.run = counting_run
+    chosen = [prompts[i] for i in (0, 2, 5)]
+    params = greedy(max_tokens=20)
+    outs = run(engine, chosen, params)
+    assert outs == _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
+    decode = [n for phase, n in phases if phase is Phase.DECODE]
+    assert len(decode) > 10 and all(n == 0 for n in decode)
+    assert all(n > 0 for phase, n in phases if phase is Phase.PREFILL)
+    assert engine.num_verify_steps >= 1 and any(phase is Phase.VERIFY for phase, _ in phases)

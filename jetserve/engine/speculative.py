@@ -28,8 +28,10 @@ FORCED_MODES = ("right", "wrong")
 # Step-time and acceptance estimates are exponential moving averages with these weights for the newest sample.
 TIME_EMA = 0.2
 ACCEPT_EMA = 0.05
-# Every this many steps of one batch-size bucket, the least recently measured option is tried again.
+# Every this many steps of one batch-size bucket, the least recently measured option is tried again; each exploration
+# that leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
+MAX_EXPLORE_EVERY = 1024
 # Positions per sequence that plain decode steps may leave the draft behind by (their features wait in a per-slot ring
 # buffer); a sequence that reaches it catches up on all of them in one draft forward.
 MISSED_CAPACITY = 32
@@ -69,8 +71,11 @@ class AdaptivePolicy:
     decoding, 1 + the measured mean of accepted drafts for a shape — and takes t_c(b) seconds per step at batch
     bucket b (the measured wall time of whole engine steps). The policy picks the largest τ_c / t_c(b). Every option
     is tried once per bucket before it is judged, and every `EXPLORE_EVERY` steps of a bucket the least recently
-    measured option runs again, so the estimates follow changes in acceptance and load. Plain decoding is always an
-    option, so (up to the exploration steps and the draft's catch-up) speculation never makes decoding slower.
+    measured option runs again, so the estimates follow changes in acceptance and load; while explorations keep
+    confirming the best option the interval doubles (to `MAX_EXPLORE_EVERY`), so a draft that never pays costs ever
+    fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes the choice. Plain
+    decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never makes
+    decoding slower.
     Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as room allows).
     """
 
@@ -82,6 +87,9 @@ class AdaptivePolicy:
         self.bucket_steps: dict[int, int] = {}
         self.mean_accepted: list[float | None] = [None] * len(shapes)  # EMA of accepted drafts per sequence-round
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
+        self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
+        self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
+        self.exploring: dict[int, tuple[int, int]] = {}  # bucket → (step, best option) of an exploration not yet judged
 
     def tokens_per_step(self, option: int) -> float:
         if option < 0:
@@ -102,9 +110,18 @@ class AdaptivePolicy:
         unmeasured = [c for c in options if (c, bucket) not in self.step_seconds]
         if unmeasured:
             return unmeasured[0]
-        if step % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+        best = max(options, key=lambda c: self.tokens_per_step(c) / self.step_seconds[(c, bucket)])
+        if bucket in self.exploring:  # the last exploration has been measured: judge it
+            started, best_before = self.exploring.pop(bucket)
+            interval = self.explore_every.get(bucket, EXPLORE_EVERY)
+            interval = min(2 * interval, MAX_EXPLORE_EVERY) if best == best_before else EXPLORE_EVERY
+            self.explore_every[bucket] = interval
+            self.next_explore[bucket] = started + interval
+        if step >= self.next_explore.get(bucket, EXPLORE_EVERY - 1):
+            self.exploring[bucket] = (step, best)
+            self.next_explore[bucket] = step + self.explore_every.get(bucket, EXPLORE_EVERY)
             return min(options, key=lambda c: self.last_used.get((c, bucket), -1))
-        return max(options, key=lambda c: self.tokens_per_step(c) / self.step_seconds[(c, bucket)])
+        return best
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
         key = (option, batch_bucket(num_seqs))

@@ -15,7 +15,14 @@ import torch
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import EXPLORE_EVERY, MISSED_CAPACITY, AdaptivePolicy, DraftShape, draft_shapes
+from jetserve.engine.speculative import (
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    MISSED_CAPACITY,
+    AdaptivePolicy,
+    DraftShape,
+    draft_shapes,
+)
 from jetserve.generate import generate_tokens
 from jetserve.llm import LLM
 from jetserve.model.forward_batch import Phase
@@ -365,6 +372,39 @@ def test_adaptive_policy_cost_model():
     assert choices.count(0) == EXPLORE_EVERY - 1 and 1 in choices  # once: the least recently measured
     fixed = AdaptivePolicy(shapes, adaptive=False)
     assert fixed.choose(256) == 0
+
+
+def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does():
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    seconds = {0: 3.0, -1: 1.0}  # a tree that never pays: 1 token in 3 s against plain decoding's 1 token in 1 s
+    accepted = [0]  # drafts accepted per verify step
+    explored, step = [], 0
+
+    def run(num_steps):
+        nonlocal step
+        for _ in range(num_steps):
+            option = policy.choose(1)
+            if option == 0:
+                policy.record_acceptance(0, accepted)
+                if step > 1:
+                    explored.append(step)
+            policy.record_step(option, 1, seconds[option])
+            step += 1
+
+    run(4000)
+    # Steps 0 and 1 measure both options; then explorations at 63, +128, +256, +512, +1024, +1024, ...
+    gaps = [b - a for a, b in zip(explored, explored[1:], strict=False)]
+    assert explored[0] == EXPLORE_EVERY - 1
+    assert gaps[:5] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_EXPLORE_EVERY]
+    assert policy.explore_every[1] == MAX_EXPLORE_EVERY
+    # The draft starts to pay: the next exploration measures it, its judgement changes the choice, and the interval
+    # snaps back to EXPLORE_EVERY.
+    accepted[0] = 100
+    before = len(explored)
+    while len(explored) == before:
+        run(1)
+    assert policy.choose(1) == 0  # judged: the tree is now the best option
+    assert policy.explore_every[1] == EXPLORE_EVERY
 
 
 def test_server_flags_and_metrics(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):

@@ -78,17 +78,29 @@ def gated_delta_rule_verify_kernel(
         node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
         path = tl.where(o_t[None, :] == node[:, None], 1, path)
 
+    # b_run holds the state after node j-1 (the committed state before node 0). A node whose parent is j-1 — every
+    # node of a chain — extends it by one step; any other node replays its path from the committed state. A chain of
+    # T_d nodes thus costs T_d steps instead of T_d (T_d + 1) / 2.
+    b_run = b_s0
     for j in range(T_d):
-        b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
-        # Parents precede children, so ascending node order along the path is root-first order.
-        b_s = b_s0
-        for m in range(j + 1):
-            if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
-                t = t0 + m
-                b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
-                b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-                b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
-                b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+        if tl.load(parents + j) == j - 1:
+            t = t0 + j
+            b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
+            b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
+            b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
+        else:
+            b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
+            # Parents precede children, so ascending node order along the path is root-first order.
+            b_s = b_s0
+            for m in range(j + 1):
+                if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
+                    t = t0 + m
+                    b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
+                    b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+                    b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
+                    b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+        b_run = b_s
         t = t0 + j
         b_q = load_unit(q + t * stride_q_t + i_h * stride_q_h, o_k, m_k, EPS) * scale
         b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]

@@ -18,9 +18,8 @@ from jetserve.ops.gated_delta_rule.reference import (
 from jetserve.ops.gated_delta_rule.step import (
     block_sizes,
     check_state_layout,
-    delta_step,
-    load_gates,
     load_unit,
+    token_step,
     unit_last_stride,
 )
 
@@ -84,22 +83,56 @@ def gated_delta_rule_verify_kernel(
     b_run = b_s0
     for j in range(T_d):
         if tl.load(parents + j) == j - 1:
-            t = t0 + j
-            b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
-            b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
-            b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
+            b_s = token_step(
+                b_run,
+                t0 + j,
+                k,
+                v,
+                a,
+                b,
+                stride_k_t,
+                stride_k_h,
+                stride_v_t,
+                stride_v_h,
+                stride_a_t,
+                stride_b_t,
+                i_h,
+                o_k,
+                m_k,
+                o_v,
+                m_v,
+                b_A_log,
+                b_dt_bias,
+                EPS,
+            )
         else:
             b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
             # Parents precede children, so ascending node order along the path is root-first order.
             b_s = b_s0
             for m in range(j + 1):
                 if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
-                    t = t0 + m
-                    b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
-                    b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-                    b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
-                    b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+                    b_s = token_step(
+                        b_s,
+                        t0 + m,
+                        k,
+                        v,
+                        a,
+                        b,
+                        stride_k_t,
+                        stride_k_h,
+                        stride_v_t,
+                        stride_v_h,
+                        stride_a_t,
+                        stride_b_t,
+                        i_h,
+                        o_k,
+                        m_k,
+                        o_v,
+                        m_v,
+                        b_A_log,
+                        b_dt_bias,
+                        EPS,
+                    )
         b_run = b_s
         t = t0 + j
         b_q = load_unit(q + t * stride_q_t + i_h * stride_q_h, o_k, m_k, EPS) * scale
@@ -147,10 +180,28 @@ def gated_delta_rule_commit_kernel(
         row = i_n.to(tl.int64) * T_d
         for d in range(num):
             t = row + tl.load(accepted_nodes + row + d)
-            b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
-            b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-            b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, b_A_log, b_dt_bias)
-            b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
+            b_s = token_step(
+                b_s,
+                t,
+                k,
+                v,
+                a,
+                b,
+                stride_k_t,
+                stride_k_h,
+                stride_v_t,
+                stride_v_h,
+                stride_a_t,
+                stride_b_t,
+                i_h,
+                o_k,
+                m_k,
+                o_v,
+                m_v,
+                b_A_log,
+                b_dt_bias,
+                EPS,
+            )
         tl.store(p_s, b_s, mask=m_s)
 
 

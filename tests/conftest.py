@@ -4,8 +4,11 @@ small patches that let fla-core 0.6.0's kernels (`chunk_gated_delta_rule`) run t
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
+import pytest
 import torch
 
 from jetserve import envs
@@ -63,3 +66,17 @@ def _loop_indices_as_tensors() -> None:
 if envs.triton_interpret():
     _autotune_without_gpu_benchmarker()
     _loop_indices_as_tensors()
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_memory_between_gpu_tests(request):
+    """A `gpu` test's engine reserves most of the device for its caches. pytest keeps the last failure's traceback
+    (sys.last_*), whose frames hold that engine: drop it and collect, so one failure does not fail every later test
+    for want of memory."""
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        if hasattr(sys, "last_exc"):
+            sys.last_exc = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    yield

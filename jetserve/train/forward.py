@@ -1,6 +1,7 @@
 """The differentiable training forward of JetNemotronForCausalLM over rows of tokens [B, T]: the model's own parameters
 (same modules, same names) through autograd-capable functions — SDPA for attention (SWA as an explicit mask), an
-unfolded dynamic convolution, and fla-core's chunk gated delta rule (GPU) or the pure-PyTorch chunk reference (CPU).
+unfolded dynamic convolution, and the gated delta rule as fla-core's chunk kernel, a batched PyTorch chunk form
+(`chunk_gated_delta_rule_rows`), or the per-sequence chunk reference of `jetserve.ops`.
 """
 
 from __future__ import annotations
@@ -12,19 +13,75 @@ from jetserve.model.attention import Attention
 from jetserve.model.jet_block import JetBlock
 from jetserve.model.jet_nemotron import DecoderLayer, JetNemotronForCausalLM
 from jetserve.ops.attention.reference import apply_rope
-from jetserve.ops.gated_delta_rule.reference import chunk_gated_delta_rule_prefill, compute_gates
+from jetserve.ops.gated_delta_rule.reference import chunk_gated_delta_rule_prefill, compute_gates, l2_normalize
 from jetserve.ops.norm.reference import gated_rms_norm, rms_norm, silu_and_mul
 
-GDR_IMPLS = ("auto", "fla", "reference")
+GDR_IMPLS = ("auto", "fla", "torch", "reference")
+CHUNK = 64
+
+
+def fla_backward_usable(device: torch.device) -> bool:
+    """fla-core 0.6.0 refuses its gated chunk backward on Hopper under Triton < 3.7.1 (wrong results, its #640)."""
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:3] if p.isdigit())
+    return torch.cuda.get_device_capability(device)[0] != 9 or version >= (3, 7, 1)
 
 
 def resolve_gdr_impl(impl: str, device: torch.device) -> str:
-    """`auto` is fla-core's Triton chunk kernel on CUDA and the pure-PyTorch chunk reference elsewhere."""
+    """`auto` is fla-core's Triton chunk kernel on CUDA where its backward is trusted, else the batched PyTorch chunk
+    form (`torch`); `reference` is the per-sequence chunk reference of `jetserve.ops` (slow; for tests)."""
     if impl not in GDR_IMPLS:
         raise ValueError(f"gdr_impl: {impl!r} is not one of {', '.join(GDR_IMPLS)}")
     if impl == "auto":
-        return "fla" if device.type == "cuda" else "reference"
+        return "fla" if device.type == "cuda" and fla_backward_usable(device) else "torch"
     return impl
+
+
+def chunk_gated_delta_rule_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int = CHUNK
+) -> torch.Tensor:
+    """The gated delta rule over rows from zero states in chunked (WY) form, every row, head and chunk at once except
+    the chunk-to-chunk state pass; differentiable, fp32 inside. q, k [B, T, H, K] (normalised, q scaled), v [B, T, H,
+    V], log-decay g and β [B, T, H] fp32 → o [B, T, H, V] fp32.
+
+    Within a chunk with cumulative decay G_i and entry state S: the deltas E = U - W S solve (I + A) E = β(V - e^G K S)
+    with A_ij = β_i e^{G_i - G_j} k_i·k_j (j < i), so U = (I + A)⁻¹ βV and W = (I + A)⁻¹ β e^G K; the outputs are
+    O = e^G Q S + (e^{G_i - G_j} q_i·k_j)_{j≤i} E and the exit state e^{G_C} S + (e^{G_C - G} K)ᵀ E.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    pad = (-T) % chunk  # padded tokens have β = 0 and g = 0: they change nothing
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, n*C, H, X] -> [B, H, n, C, X]
+        return x.reshape(B, n, chunk, H, -1).permute(0, 3, 1, 2, 4)
+
+    Q, Kc, Vc = chunks(q), chunks(k), chunks(v)
+    G = chunks(g[..., None])[..., 0].cumsum(-1)  # [B, H, n, C]
+    bc = chunks(beta[..., None])[..., 0]  # [B, H, n, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, n, C, C]
+    A = (bc[..., None] * (Kc @ Kc.transpose(-1, -2)) * decay).tril(-1)  # [B, H, n, C, C]
+    eye = torch.eye(chunk, device=q.device, dtype=A.dtype)
+    rhs = torch.cat([bc[..., None] * Vc, (bc * G.exp())[..., None] * Kc], -1)  # [B, H, n, C, V+K]
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :V], UW[..., V:]  # [B, H, n, C, V], [B, H, n, C, K]
+    P = (Q @ Kc.transpose(-1, -2)) * decay  # [B, H, n, C, C]
+    Qg = Q * G.exp()[..., None]  # [B, H, n, C, K]
+    G_end = G[..., -1]  # [B, H, n]
+    Kd = Kc * (G_end[..., None] - G).exp()[..., None]  # [B, H, n, C, K]
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for c in range(n):
+        E = U[:, :, c] - W[:, :, c] @ S  # [B, H, C, V]
+        outs.append(Qg[:, :, c] @ S + P[:, :, c] @ E)
+        S = G_end[:, :, c, None, None].exp() * S + Kd[:, :, c].transpose(-1, -2) @ E  # [B, H, K, V]
+    O = torch.stack(outs, 2)  # [B, H, n, C, V]
+    return O.permute(0, 2, 3, 1, 4).reshape(B, n * chunk, H, V)[:, :T]
 
 
 def _mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +138,11 @@ def _gated_delta_rule(
         o, _ = chunk_gated_delta_rule(q, k.to(q.dtype), v.to(q.dtype), g, beta, scale=K**-0.5,
                                       use_qk_l2norm_in_kernel=True)  # fmt: skip
         return o  # [B, T, H, V]
+    if impl == "torch":
+        with torch.autocast(q.device.type, enabled=False):
+            g, beta = compute_gates(a, b, jet.A_log, jet.dt_bias)  # [B, T, H] fp32
+            o = chunk_gated_delta_rule_rows(l2_normalize(q) * K**-0.5, l2_normalize(k), v.float(), g, beta)
+        return o.to(v.dtype)  # [B, T, H, V]
     # The reference writes final states into pool slots: give it a scratch pool, one slot per row (slot 0 spare).
     scratch = torch.zeros(B + 1, H, K, V, dtype=torch.float32, device=q.device)
     cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=q.device) * T

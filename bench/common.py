@@ -75,8 +75,19 @@ PAGE_SIZE = 16
 NUM_ACCEPTED = 3  # nodes a commit case accepts per sequence, root included
 
 
+_GENERATORS: dict[str, torch.Generator] = {}
+
+
+def _gen(device: str) -> torch.Generator:
+    """The cases' own generator per device: the timing's CUDA-graph capture registers the default generator, and a
+    capture that fails (an op that syncs on the host) leaves that one unusable for the rest of the process."""
+    if device not in _GENERATORS:
+        _GENERATORS[device] = torch.Generator(device=device).manual_seed(0)
+    return _GENERATORS[device]
+
+
 def _randn(*shape: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+    return torch.randn(*shape, device=device, dtype=torch.float32, generator=_gen(device)).mul_(scale).to(dtype)
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

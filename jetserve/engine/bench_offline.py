@@ -165,7 +165,11 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
     return spec | dict(
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.input_len + args.output_len,
+        # bench_batch's decode run adds a step per prefill step after the first (chunked prefill of the whole batch)
+        max_model_len=args.input_len
+        + args.output_len
+        + math.ceil(max(batch_sizes) * args.input_len / args.max_num_batched_tokens)
+        - 1,
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
@@ -281,8 +285,11 @@ def bench_batch(
     # Prefill alone: one token each, so no decode rows mix into the timed steps.
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}").seconds
-    # Decode: time only the steps that decode the whole batch at once.
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # Decode: time only the steps that decode the whole batch at once. Sequences whose prefill ends early decode one
+    # token per step while the rest prefill (chunked, max_num_batched_tokens a step): give them those steps on top,
+    # so that about output_len steps decode the whole batch (the roofline's context grows by as much).
+    extra = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens) - 1
+    params = SamplingParams(temperature=0, max_tokens=output_len + extra, ignore_eos=True)
     plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
     decode_steps = plain.decode_step_seconds
     assert engine.is_idle_and_clean()
@@ -292,7 +299,7 @@ def bench_batch(
     if not decode_steps:
         raise ValueError(f"--batch-sizes: {batch_size} never decoded as one batch (too few state slots or pages?)")
     tpot = statistics.median(decode_steps)
-    step_bytes = decode_step_bytes(engine, batch_size, input_len + output_len // 2)
+    step_bytes = decode_step_bytes(engine, batch_size, input_len + extra + output_len // 2)
     tpot_roofline = step_bytes / bandwidth
     prefill_tokens = batch_size * input_len
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())

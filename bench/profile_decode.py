@@ -1,0 +1,72 @@
+"""Where a decode step's time goes: the engine on a random 2B/4B model, whole-batch decode steps under the PyTorch
+profiler. Prints, per batch size, wall milliseconds per step beside the GPU's busy time per step (kernel time summed;
+the gap is host time the GPU waits for), then the kernels that take the most GPU time. One JSON line per batch size
+with --json FILE.
+Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from jetserve.engine.bench_offline import random_model
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.sampling_params import SamplingParams
+
+
+def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int) -> dict:
+    gen = torch.Generator().manual_seed(batch_size)
+    prefill_steps = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 2 * steps + 8, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"p{i}", torch.randint(0, 1000, (input_len,), generator=gen).tolist(), params)
+    for _ in range(prefill_steps + steps):  # prefill, then warm decode steps (graph replay, allocator)
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    print(f"\nbatch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step")
+    print(f"{'kernel':80} {'us/step':>9} {'calls/step':>10}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"{e.key[:80]:80} {e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f}")
+    return {"batch_size": batch_size, "input_len": input_len, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_ms}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="2b")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json")
+    args = p.parse_args()
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    device = torch.device("cuda")
+    model = random_model(args.config, "bfloat16", device, seed=0)
+    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4096)
+    engine = LLMEngine(config, model=model, tokenizer=None)
+    rows = [profile_batch(engine, b, args.input_len, args.steps, args.top) for b in sizes]
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r | {"config": args.config, "device": torch.cuda.get_device_name()}) + "\n"
+                         for r in rows)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

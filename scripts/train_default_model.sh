@@ -132,6 +132,8 @@ package() {
     local items=()
     for f in teacher/done runs/A/done runs/B/done runs/draft/done runs/A/summary.json runs/B/summary.json \
         runs/draft/summary.json teacher/answers.jsonl runs/draft/answers.json; do
+        # once phase B is done the teacher's answers are needed no more (and would cost a returned file)
+        [ "$f" = teacher/answers.jsonl ] && [ -f "$W/runs/B/done" ] && continue
         [ -e "$W/$f" ] && items+=("$f")
     done
     if [ -f "$W/runs/B/done" ]; then

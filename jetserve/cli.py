@@ -14,7 +14,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     from jetserve.engine.args import add_engine_arguments
 
     p = sub.add_parser("generate", help="complete one prompt on the engine and print the text")
-    p.add_argument("--model", required=True, help="checkpoint folder (config.json, model.safetensors, tokenizer)")
+    p.add_argument(
+        "--model", default="default", help="checkpoint folder (config.json, weights, tokenizer), or `default` (the "
+        "embedded default model; the default)",
+    )  # fmt: skip
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

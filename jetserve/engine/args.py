@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from jetserve.assets import resolve_checkpoint
 from jetserve.engine.config import DTYPES, EngineConfig
 
 _SCALARS = {"int": int, "float": float, "str": str}
@@ -35,10 +36,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
         assert kind in _SCALARS, f"EngineConfig.{f.name}: no flag for a field of type {f.type}"
         choices = DTYPES if f.name == "dtype" else None
         help_text = "(default: decided at start)" if optional and f.default is None else "(default: %(default)s)"
+        if f.name == "draft":
+            help_text = "EAGLE-3 draft folder, or `default` (the embedded default model's draft); speculation on"
         group.add_argument(flag, type=_SCALARS[kind], default=f.default, choices=choices, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     """The EngineConfig the flags describe; `overrides` supply the skipped fields (e.g. `model`)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**(values | overrides))
+    values |= overrides
+    for what in ("model", "draft"):  # `default`: the embedded default model / its draft
+        if what in values:
+            values[what] = resolve_checkpoint(values[what], what)
+    return EngineConfig(**values)

@@ -19,7 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint folder (config.json, weights, tokenizer)")
+    parser.add_argument(
+        "--model", default="default", help="checkpoint folder (config.json, weights, tokenizer), or `default` (the "
+        "embedded default model; the default)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 endpoints")
@@ -72,8 +75,8 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port: {args.port} is not a TCP port")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server, app = build_server(engine_config_from_args(args), args.served_model_name, args.api_key,
-                               args.allow_image_urls)  # fmt: skip
+    names = args.served_model_name or (["jetserve-default"] if args.model == "default" else None)
+    server, app = build_server(engine_config_from_args(args), names, args.api_key, args.allow_image_urls)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", server.model_names[0], args.host, args.port,
                 server.engine.max_model_len)  # fmt: skip
     uvicorn.run(

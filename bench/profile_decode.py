@@ -62,7 +62,7 @@ def main() -> None:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device("cuda")
     model = random_model(args.config, "bfloat16", device, seed=0)
-    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4096)
+    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 2 * args.steps + 256)
     engine = LLMEngine(config, model=model, tokenizer=None)
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top) for b in sizes]
     if args.json:

@@ -44,7 +44,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, k, fb.positions, self.cos_sin)
         meta = fb.swa_kv if self.is_sliding else fb.kv
         assert meta is not None, f"layer {self.layer_id}: ForwardBatch has no K/V metadata for this layer kind"
-        kwargs = dict(scale=self.scale, window_tokens=self.window_tokens, ring_tokens=meta.ring_tokens)
+        window = self.window_tokens
+        if meta.ring_tokens and meta.ring_tokens < window:
+            # The ring was capped at max_model_len: it never wraps, and a window longer than any sequence cuts
+            # nothing, so the ring's length is an equivalent window.
+            window = meta.ring_tokens
+        kwargs = dict(scale=self.scale, window_tokens=window, ring_tokens=meta.ring_tokens)
         caches = (self.k_cache, self.v_cache)
         if fb.phase is Phase.PREFILL:
             o = attention_prefill(

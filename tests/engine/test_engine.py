@@ -45,6 +45,17 @@ def test_batched_greedy_equals_each_prompt_alone(tiny_checkpoint, tiny_model, ti
     assert llm.engine.is_idle_and_clean()
 
 
+def test_max_model_len_below_the_swa_window(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """max_model_len 12 < the window (16): the ring holds whole sequences, so the window never cuts and the engine
+    must still run (the ring shorter than the window, which the attention op refuses for a ring that wraps)."""
+    short = [p[:6] for p in prompts]
+    want = [generate_tokens(tiny_model, p, 6).token_ids for p in short]
+    llm = make_llm(tiny_checkpoint, tiny_model, tiny_tokenizer, max_model_len=12)
+    assert llm.engine.plan.ring_tokens < tiny_model.config.swa_window_size
+    outs = llm.generate(short, greedy(6))
+    assert [o.output_token_ids for o in outs] == want
+
+
 @pytest.mark.parametrize("budget", [1, 7, 64])
 def test_chunked_prefill_equals_whole_prefill(
     tiny_checkpoint, tiny_model, tiny_tokenizer, prompts, greedy_alone, budget

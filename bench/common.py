@@ -334,8 +334,12 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
         cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)
         cases[f"attention prefill T={t}"] = lambda t=t: attention_cases(s, dtype, device, "prefill", t, 0)
+    # Small runs (memcheck) add trees of sizes that are not powers of two, as the engine's tree shapes are.
+    trees = ((7, True, "chain6"), (8, False, "tree8"))
+    if small:
+        trees += ((3, False, "tree3"), (6, False, "tree6"))
     for n in verify_batches:
-        for nodes, chain, label in ((7, True, "chain6"), (8, False, "tree8")):
+        for nodes, chain, label in trees:
             for kind in ("verify", "commit"):
                 cases[f"dynamic_conv {kind} {label} N={n}"] = lambda n=n, nodes=nodes, chain=chain, kind=kind: (
                     conv_cases(s, dtype, device, kind, n, nodes, chain)
@@ -349,4 +353,8 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         cases[f"attention commit tree8 N={n} ctx={context}"] = lambda n=n: attention_cases(
             s, dtype, device, "commit", n, context, nodes=8, chain=False
         )
+        if small:
+            cases[f"attention verify tree6 N={n} ctx={context}"] = lambda n=n: attention_cases(
+                s, dtype, device, "verify", n, context, nodes=6, chain=False
+            )
     return cases

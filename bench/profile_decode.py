@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the engine on a random 2B/4B model, whole-batch decode steps under the PyTorch
 profiler. Prints, per batch size, wall milliseconds per step beside the GPU's busy time per step (kernel time summed;
-the gap is host time the GPU waits for), then the kernels that take the most GPU time. One JSON line per batch size
-with --json FILE.
+the gap is host time the GPU waits for) and the step's roofline (its bytes over the copy bandwidth measured here),
+then the kernels that take the most GPU time. One JSON line per batch size with --json FILE.
 Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
 """
 
@@ -15,13 +15,13 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from jetserve.engine.bench_offline import random_model
+from jetserve.engine.bench_offline import decode_step_bytes, measure_copy_bandwidth, random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
 from jetserve.sampling_params import SamplingParams
 
 
-def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int) -> dict:
+def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int, bandwidth: float) -> dict:
     gen = torch.Generator().manual_seed(batch_size)
     prefill_steps = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + 2 * steps + 8, ignore_eos=True)
@@ -43,11 +43,15 @@ def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     while engine.has_unfinished_requests():
         engine.step()
-    print(f"\nbatch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step")
+    # The profiled steps' mean context: prompt + the steps before them (prefill's first token, the warm steps).
+    roofline_ms = decode_step_bytes(engine, batch_size, input_len + steps + steps // 2) / bandwidth * 1e3
+    print(f"\nbatch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step, "
+          f"roofline {roofline_ms:.3f} ms ({bandwidth / 1e9:.0f} GB/s copy bandwidth measured here)")  # fmt: skip
     print(f"{'kernel':80} {'us/step':>9} {'calls/step':>10}")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"{e.key[:80]:80} {e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f}")
-    return {"batch_size": batch_size, "input_len": input_len, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_ms}
+    return {"batch_size": batch_size, "input_len": input_len, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_ms,
+            "roofline_ms_per_step": roofline_ms, "copy_gb_s": bandwidth / 1e9}  # fmt: skip
 
 
 def main() -> None:
@@ -64,7 +68,8 @@ def main() -> None:
     model = random_model(args.config, "bfloat16", device, seed=0)
     config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 2 * args.steps + 256)
     engine = LLMEngine(config, model=model, tokenizer=None)
-    rows = [profile_batch(engine, b, args.input_len, args.steps, args.top) for b in sizes]
+    bandwidth = measure_copy_bandwidth(device)
+    rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r | {"config": args.config, "device": torch.cuda.get_device_name()}) + "\n"

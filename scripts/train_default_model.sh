@@ -8,7 +8,8 @@
 #   bash scripts/train_default_model.sh collect DIR      # here, after each gpu call: DIR = the call's returned files
 #
 # Environment: JETSERVE_TRAIN_DIR (default out/train), TEACHER=skip (train phase B without teacher answers),
-# A_STEPS/B_STEPS/DRAFT_STEPS, DRAFT_MIN_MINUTES (minutes a call must have left to start the draft), PRETRAIN_ARGS/DRAFT_ARGS (extra arguments, e.g. a micro config for a CPU smoke run).
+# A_STEPS/B_STEPS/DRAFT_STEPS, DRAFT_MIN_MINUTES (minutes a call must have left to start the draft, default 4),
+# PRETRAIN_ARGS/DRAFT_ARGS (extra arguments, e.g. a micro config for a CPU smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/carried_wheels.sh

@@ -165,11 +165,9 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
     return spec | dict(
         max_num_seqs=max(batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        # bench_batch's decode run adds a step per prefill step after the first (chunked prefill of the whole batch)
         max_model_len=args.input_len
         + args.output_len
-        + math.ceil(max(batch_sizes) * args.input_len / args.max_num_batched_tokens)
-        - 1,
+        + catch_up_steps(max(batch_sizes), args.input_len, args.max_num_batched_tokens),
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
@@ -209,6 +207,12 @@ def random_model(
     model.init_rope(device)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in FP32_PARAMETERS)
     return cast_model(model, torch_dtype).eval().requires_grad_(False)
+
+
+def catch_up_steps(batch_size: int, input_len: int, max_num_batched_tokens: int) -> int:
+    """Steps a batch's first sequence decodes while the rest still prefill (chunked, a token budget a step): the
+    decode run's extra tokens, so that about output_len steps decode the whole batch."""
+    return math.ceil(batch_size * input_len / max_num_batched_tokens) - 1
 
 
 def _timed(device: torch.device, fn, iters: int) -> float:
@@ -285,10 +289,9 @@ def bench_batch(
     # Prefill alone: one token each, so no decode rows mix into the timed steps.
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}").seconds
-    # Decode: time only the steps that decode the whole batch at once. Sequences whose prefill ends early decode one
-    # token per step while the rest prefill (chunked, max_num_batched_tokens a step): give them those steps on top,
-    # so that about output_len steps decode the whole batch (the roofline's context grows by as much).
-    extra = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens) - 1
+    # Decode: time only the steps that decode the whole batch at once; early-prefilled sequences get the catch-up
+    # steps on top (the roofline's context grows by as much).
+    extra = catch_up_steps(batch_size, input_len, engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=output_len + extra, ignore_eos=True)
     plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
     decode_steps = plain.decode_step_seconds

@@ -1,7 +1,8 @@
-"""Where a decode step's time goes: the engine on a random 2B/4B model, whole-batch decode steps under the PyTorch
-profiler. Prints, per batch size, wall milliseconds per step beside the GPU's busy time per step (kernel time summed;
-the gap is host time the GPU waits for) and the step's roofline (its bytes over the copy bandwidth measured here),
-then the kernels that take the most GPU time. One JSON line per batch size with --json FILE.
+"""Where a decode step's time goes: the engine on a random 2B/4B model. Per batch size: the unprofiled step through
+`LLMEngine.step` against the decode graph replayed alone (the gap is the host's share: scheduling, upload, sampling's
+read-back), then whole-batch decode steps under the PyTorch profiler: wall milliseconds per step beside the GPU's
+busy time per step (kernel time summed), the step's roofline (its bytes over the copy bandwidth measured here), and
+the kernels that take the most GPU time with their calls per step. One JSON line per batch size with --json FILE.
 Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
 """
 
@@ -24,12 +25,17 @@ from jetserve.sampling_params import SamplingParams
 def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int, bandwidth: float) -> dict:
     gen = torch.Generator().manual_seed(batch_size)
     prefill_steps = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 2 * steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 3 * steps + 8, ignore_eos=True)
     for i in range(batch_size):
         engine.add_request(f"p{i}", torch.randint(0, 1000, (input_len,), generator=gen).tolist(), params)
     for _ in range(prefill_steps + steps):  # prefill, then warm decode steps (graph replay, allocator)
         engine.step()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    replay_ms = graph_replay_ms(engine, batch_size, steps)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -43,15 +49,37 @@ def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     while engine.has_unfinished_requests():
         engine.step()
-    # The profiled steps' mean context: prompt + the steps before them (prefill's first token, the warm steps).
-    roofline_ms = decode_step_bytes(engine, batch_size, input_len + steps + steps // 2) / bandwidth * 1e3
-    print(f"\nbatch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step, "
+    # The profiled steps' mean context: prompt + the steps before them (the warm and the unprofiled steps).
+    roofline_ms = decode_step_bytes(engine, batch_size, input_len + 2 * steps + steps // 2) / bandwidth * 1e3
+    print(
+        f"\nbatch {batch_size}: LLMEngine.step {step_ms:.3f} ms, decode graph replay alone {replay_ms:.3f} ms "
+        f"(unprofiled)"
+    )
+    print(f"batch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step, "
           f"roofline {roofline_ms:.3f} ms ({bandwidth / 1e9:.0f} GB/s copy bandwidth measured here)")  # fmt: skip
     print(f"{'kernel':80} {'us/step':>9} {'calls/step':>10}")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"{e.key[:80]:80} {e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f}")
-    return {"batch_size": batch_size, "input_len": input_len, "wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_ms,
-            "roofline_ms_per_step": roofline_ms, "copy_gb_s": bandwidth / 1e9}  # fmt: skip
+    return {"batch_size": batch_size, "input_len": input_len, "step_ms": step_ms, "replay_ms": replay_ms,
+            "kernels_per_step": sum(e.count for e in events) / steps, "wall_ms_per_step": wall_ms,
+            "gpu_ms_per_step": gpu_ms, "roofline_ms_per_step": roofline_ms, "copy_gb_s": bandwidth / 1e9}  # fmt: skip
+
+
+def graph_replay_ms(engine: LLMEngine, batch_size: int, steps: int) -> float:
+    """Milliseconds per replay of the decode graph of `batch_size`'s bucket, back to back (the inputs of the last
+    step stay in its static buffers, so each replay redoes that step: same bytes, same kernels)."""
+    graphs = engine.runner.graph_runner
+    if graphs is None or not graphs.fits(batch_size):
+        return float("nan")
+    graph = graphs.graphs[graphs.bucket(batch_size)]
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / steps
 
 
 def main() -> None:
@@ -66,7 +94,7 @@ def main() -> None:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device("cuda")
     model = random_model(args.config, "bfloat16", device, seed=0)
-    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 2 * args.steps + 256)
+    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 3 * args.steps + 256)
     engine = LLMEngine(config, model=model, tokenizer=None)
     bandwidth = measure_copy_bandwidth(device)
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]

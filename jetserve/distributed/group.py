@@ -50,7 +50,7 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return x.unsqueeze(0)
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.contiguous(), group=self.device_group)  # ranks concatenated along dim 0
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.device_group)  # ranks concatenated along dim 0
         return out.view(self.world_size, *x.shape)
 
     def broadcast_object(self, obj: object = None) -> object:

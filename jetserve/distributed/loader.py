@@ -13,6 +13,7 @@ from safetensors import safe_open
 from jetserve.config import ModelConfig
 from jetserve.distributed.group import TensorParallelGroup
 from jetserve.distributed.sharding import ShardSpec, shard_model
+from jetserve.model.fusion import fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM, cast_model, parameter_dtype
 from jetserve.model.loader import CheckpointError, assign_loaded, checkpoint_files, resolve_dtype
 
@@ -54,7 +55,7 @@ def load_sharded_model(
                 loaded[name] = part.to(device=group.device, dtype=parameter_dtype(name, torch_dtype))
     assign_loaded(model, path, loaded, unused, ignore_unused)
     model.init_rope(group.device)
-    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+    return fuse_projections(cast_model(model, torch_dtype).eval().requires_grad_(False))
 
 
 @torch.no_grad()
@@ -86,4 +87,4 @@ def random_sharded_model(
             fan_in = config.hidden_size if name.endswith("embed_tokens.weight") else fan_in
             param.normal_(0.0, fan_in**-0.5, generator=gen)
     model.init_rope(group.device)
-    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+    return fuse_projections(cast_model(model, torch_dtype).eval().requires_grad_(False))

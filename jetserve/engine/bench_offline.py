@@ -19,6 +19,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine, resolve_device
 from jetserve.engine.memory_plan import slot_bytes_for
 from jetserve.engine.sequence import SequenceStatus
+from jetserve.model.fusion import fuse_projections
 from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
 from jetserve.sampling_params import SamplingParams
 
@@ -206,7 +207,7 @@ def random_model(
             param.normal_(0.0, fan_in**-0.5, generator=gen)
     model.init_rope(device)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in FP32_PARAMETERS)
-    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+    return fuse_projections(cast_model(model, torch_dtype).eval().requires_grad_(False))
 
 
 def catch_up_steps(batch_size: int, input_len: int, max_num_batched_tokens: int) -> int:

@@ -21,6 +21,7 @@ from jetserve.engine.sequence import FinishReason, Sequence
 from jetserve.engine.speculative import SpecDecoder, SpecStats, draft_shapes
 from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import Phase
+from jetserve.model.fusion import fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.model.vision import VisionEncoder
 from jetserve.multimodal.inputs import ImageInputs
@@ -70,7 +71,7 @@ class LLMEngine:
             model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
         if tokenizer is None:
             tokenizer = _load_tokenizer_if_present(config.tokenizer or config.model)
-        self.model = model
+        self.model = fuse_projections(model)  # a no-op for the loaders' models; a model built otherwise is fused here
         self.vision = _load_vision_if_present(config.model, model)  # jet_vlm: SigLIP tower + projector, else None
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -84,7 +85,7 @@ class LLMEngine:
             raise ValueError("draft: a draft model was passed, but config.draft is not set (it sets speculation on)")
         if forced_acceptance is not None and draft is None:
             raise ValueError("forced_acceptance: needs speculative decoding (a draft)")
-        self.draft = draft
+        self.draft = draft if draft is None else fuse_projections(draft)
         self.plan = self._plan(model, device, dtype)
         logger.info("memory plan: %s", self.plan)
         self.state_pool = StatePool.for_model(self.model_config, self.plan.num_slots, dtype, device)

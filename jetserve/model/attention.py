@@ -7,10 +7,11 @@ from torch import nn
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
+from jetserve.model.fusion import InputProjections
 from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, kv_cache_commit
 
 
-class Attention(nn.Module):
+class Attention(InputProjections, nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -35,12 +36,17 @@ class Attention(nn.Module):
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         assert self.k_cache is not None, f"layer {self.layer_id}: no K/V cache bound"
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, HK, Dh]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, HK, Dh]
+        T, H, HK, Dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.project(x)  # [T, (H + 2 HK) Dh]: q, k, v side by side
+        q, k, v = qkv.split([H * Dh, HK * Dh, HK * Dh], dim=-1)  # views, rows strided: the ops take them as they are
+        q = q.view(T, H, Dh)  # [T, H, Dh]
+        k = k.view(T, HK, Dh)  # [T, HK, Dh]
+        v = v.view(T, HK, Dh)  # [T, HK, Dh]
         q, k = apply_rope(q, k, fb.positions, self.cos_sin)
         meta = fb.swa_kv if self.is_sliding else fb.kv
         assert meta is not None, f"layer {self.layer_id}: ForwardBatch has no K/V metadata for this layer kind"

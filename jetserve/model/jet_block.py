@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
+from jetserve.model.fusion import InputProjections
 from jetserve.ops.dynamic_conv import (
     dynamic_conv_commit,
     dynamic_conv_decode,
@@ -38,7 +39,7 @@ class DynamicConv(nn.Module):
         self.kernel_generator = KernelGenerator(hidden_size, generator_dim, value_dim, conv_size)
 
 
-class JetBlock(nn.Module):
+class JetBlock(InputProjections, nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         jet = config.jet
@@ -73,33 +74,39 @@ class JetBlock(nn.Module):
     def bind_state(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        # The three that pass through silu first, so that one silu covers them.
+        return (self.q_proj, self.k_proj, self.dynamic_conv1d.kernel_generator.w1,
+                self.v_proj, self.a_proj, self.b_proj, self.g_proj)  # fmt: skip
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         assert self.conv_state is not None, f"layer {self.layer_id}: no JetBlock state bound"
-        T, H = x.shape[0], self.num_heads
-        q = F.silu(self.q_proj(x)).view(T, H, self.head_k_dim)  # [T, H, K]
-        k = F.silu(self.k_proj(x)).view(T, H, self.head_k_dim)  # [T, H, K]
-        u = self.v_proj(x)  # [T, D_v], raw: what the conv convolves and its window stores
-        a = self.a_proj(x)  # [T, H]
-        b = self.b_proj(x)  # [T, H]
+        T, H, K, V = x.shape[0], self.num_heads, self.head_k_dim, self.head_v_dim
         generator = self.dynamic_conv1d.kernel_generator
-        h = F.silu(generator.w1(x))  # [T, D_g]
+        D_k, D_v, D_g = self.key_dim, self.value_dim, generator.w1.out_features
+        projected = self.project(x)  # [T, 2 D_k + D_g + 2 D_v + 2 H], input_projections' order
+        # Views, rows strided: the ops take them as they are.
+        activated, u, a, b, gate = projected.split([2 * D_k + D_g, D_v, H, H, D_v], dim=-1)
+        q, k, h = F.silu(activated).split([D_k, D_k, D_g], dim=-1)  # [T, D_k] x2, [T, D_g]
+        q = q.view(T, H, K)  # [T, H, K]
+        k = k.view(T, H, K)  # [T, H, K]
+        # u [T, D_v] is raw: what the conv convolves and its window stores; a, b [T, H]; gate [T, D_v]
         conv_args = (generator.w2.weight, generator.w2.bias, self.conv_state)
         gate_args = (self.A_log, self.dt_bias, self.recurrent_state)
         if fb.phase is Phase.PREFILL:
             seq_args = (fb.cu_seqlens, fb.state_indices, fb.has_initial_state)
             v = dynamic_conv_prefill(u, h, *conv_args, *seq_args)  # [T, D_v]
-            v = v.view(T, H, self.head_v_dim)  # [T, H, V]
+            v = v.view(T, H, V)  # [T, H, V]
             o = gated_delta_rule_prefill(q, k, v, a, b, *gate_args, *seq_args)  # [T, H, V]
         elif fb.phase is Phase.DECODE:
-            v = dynamic_conv_decode(u, h, *conv_args, fb.state_indices).view(T, H, self.head_v_dim)
+            v = dynamic_conv_decode(u, h, *conv_args, fb.state_indices).view(T, H, V)
             o = gated_delta_rule_decode(q, k, v, a, b, *gate_args, fb.state_indices)
         else:
-            v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, self.head_v_dim)
+            v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, V)
             o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)
             self.verify_inputs = (u, k, v, a, b)
-        gate = self.g_proj(x).view(T, H, self.head_v_dim)  # [T, H, V]
-        y = gated_rms_norm(o, self.o_norm.weight, gate, self.norm_eps)  # [T, H, V]
-        return self.o_proj(y.reshape(T, self.value_dim))  # [T, hidden]
+        y = gated_rms_norm(o, self.o_norm.weight, gate.view(T, H, V), self.norm_eps)  # [T, H, V]
+        return self.o_proj(y.reshape(T, D_v))  # [T, hidden]
 
     def commit(self, state_indices: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Advance the committed conv window and recurrent state along each sequence's accepted path of the last

@@ -112,7 +112,8 @@ class JetNemotronForCausalLM(nn.Module):
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters to `dtype`, keeping `FP32_PARAMETERS` (and the RoPE table) in fp32."""
+    """Cast floating parameters to `dtype`, keeping `FP32_PARAMETERS` (and the RoPE table) in fp32. Run it before
+    `fuse_projections`: a cast replaces the parameters, so a fused model runs unfused until fused again."""
     for name, param in model.named_parameters():
         param.data = param.data.to(parameter_dtype(name, dtype))
     return model

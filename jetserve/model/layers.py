@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from jetserve.model.fusion import InputProjections
 from jetserve.ops.norm import rms_norm, silu_and_mul
 
 
@@ -21,8 +22,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate x) * up x), no biases."""
+class MLP(InputProjections, nn.Module):
+    """SwiGLU: down(silu(gate x) * up x), no biases; gate and up are one GEMM (`InputProjections`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -30,6 +31,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [T, 2I]
+        gate_up = self.project(x)  # [T, 2I]
         return self.down_proj(silu_and_mul(gate_up))  # [T, hidden]

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from jetserve.config import ModelConfig, VLMConfig, is_vlm_config
+from jetserve.model.fusion import fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM, cast_model, parameter_dtype
 from jetserve.model.vision import VisionEncoder, projector_checkpoint_shapes, siglip_checkpoint_shapes
 
@@ -83,7 +84,7 @@ def load_model(
 
     _fill(model, path, rename, torch_dtype, device, ignore_unused)
     model.init_rope(device)  # built on the meta device with the model
-    return cast_model(model, torch_dtype).eval().requires_grad_(False)
+    return fuse_projections(cast_model(model, torch_dtype).eval().requires_grad_(False))
 
 
 def load_vision_encoder(

@@ -16,6 +16,7 @@ from torch import nn
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
+from jetserve.model.fusion import InputProjections, fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.model.layers import MLP, RMSNorm
 from jetserve.model.loader import DTYPES
@@ -143,8 +144,8 @@ class DraftConfig:
         self.feature_layers(target.num_hidden_layers)
 
 
-class Eagle3Attention(nn.Module):
-    """Causal GQA with RoPE over the draft's own paged K/V; q/k/v read [embedding; feature] (2H)."""
+class Eagle3Attention(InputProjections, nn.Module):
+    """Causal GQA with RoPE over the draft's own paged K/V; q/k/v read [embedding; feature] (2H), as one GEMM."""
 
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
@@ -161,14 +162,19 @@ class Eagle3Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_pages, page_size, HK, Dh]
         self.v_cache: torch.Tensor | None = None
 
+    def input_projections(self) -> tuple[nn.Linear, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [T, 2H] → [T, H]; K/V of the new tokens are stored at `fb.kv.slot_mapping`."""
         assert self.k_cache is not None and self.cos_sin is not None, "draft: bind_cache and init_rope first"
         assert fb.kv is not None, "draft: the ForwardBatch carries no K/V metadata for the draft's cache"
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, Dh]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, HK, Dh]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, HK, Dh]
+        T, H, HK, Dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.project(x)  # [T, (H + 2 HK) Dh]: q, k, v side by side
+        q, k, v = qkv.split([H * Dh, HK * Dh, HK * Dh], dim=-1)  # views, rows strided: the ops take them as they are
+        q = q.view(T, H, Dh)  # [T, H, Dh]
+        k = k.view(T, HK, Dh)  # [T, HK, Dh]
+        v = v.view(T, HK, Dh)  # [T, HK, Dh]
         q, k = apply_rope(q, k, fb.positions, self.cos_sin)
         caches, meta = (self.k_cache, self.v_cache), fb.kv
         if fb.phase is Phase.PREFILL:
@@ -351,7 +357,7 @@ def load_draft_model(
     if not has_own_embedding:
         model.share_embedding(target.model.embed_tokens)
     model.init_rope(device, max(config.max_position_embeddings, target.config.max_position_embeddings))
-    return model.eval().requires_grad_(False)
+    return fuse_projections(model.eval().requires_grad_(False))
 
 
 def random_draft_config(target: ModelConfig, draft_vocab_size: int | None = None, dtype: str = "auto") -> dict:
@@ -450,4 +456,4 @@ def random_draft_model(
         param.data = param.data.to(embedding.dtype)
     model.share_embedding(target.model.embed_tokens)
     model.init_rope(embedding.device, max(config.max_position_embeddings, target.config.max_position_embeddings))
-    return model.eval().requires_grad_(False)
+    return fuse_projections(model.eval().requires_grad_(False))

@@ -1,0 +1,193 @@
+"""Fused input projections (`jetserve.model.fusion`): the loaders' fused models compute what unfused ones do in every
+phase (reference ops and Triton in the interpreter), keep their names and state_dict, fuse idempotently, stay correct
+when parameters are replaced after fusion, and let autograd reach every weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_helpers import random_tokens
+from safetensors.torch import load_file
+
+from jetserve import envs
+from jetserve.checkpoint import make_checkpoint
+from jetserve.config import ModelConfig
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.model.fusion import InputProjections, fuse_projections
+from jetserve.model.jet_nemotron import JetNemotronForCausalLM, cast_model
+from jetserve.model.loader import load_model
+from jetserve.model.static_cache import StaticCache
+from jetserve.ops.backend import set_backend
+from jetserve.spec.eagle3 import load_draft_model, make_draft_checkpoint
+
+TREE_PARENTS = [-1, 0, 0, 1, 2, 1]
+ACCEPTED = ([0, 1, 3], [0, 2])  # per sequence: the accepted path of the tree, root first
+
+
+def unfused_model(checkpoint) -> JetNemotronForCausalLM:
+    """The checkpoint in a model built directly (no loader, so never fused): every parameter its own tensor."""
+    model = JetNemotronForCausalLM(ModelConfig.from_hf(checkpoint))
+    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=True)
+    return model.eval().requires_grad_(False)
+
+
+def groups(model) -> list[InputProjections]:
+    return [m for m in model.modules() if isinstance(m, InputProjections)]
+
+
+def is_fused(model) -> bool:
+    return all(m.fused_input is not None and m.fused_input.is_current(m.input_projections()) for m in groups(model))
+
+
+def run_phases(model) -> list[torch.Tensor]:
+    """Logits of a batched prefill (two prompts, one past the SWA window), three decode steps, a tree VERIFY, and the
+    decode after committing part of the tree."""
+    cache = StaticCache(model, 2, 64, page_size=8)
+    out = []
+    with torch.inference_mode():
+        out.append(model.compute_logits(model(cache.batch([0, 1], [random_tokens(19, 0), random_tokens(6, 1)]))))
+        for step in range(3):
+            out.append(model.compute_logits(model(cache.batch([0, 1], [[3 + step], [40 + step]]))))
+        tokens = torch.tensor([random_tokens(len(TREE_PARENTS), 2), random_tokens(len(TREE_PARENTS), 3)])
+        fb = cache.verify_batch([0, 1], tokens, torch.tensor([TREE_PARENTS] * 2))
+        out.append(model.compute_logits(model(fb)))
+        accepted = torch.full((2, len(TREE_PARENTS)), -1, dtype=torch.int32)
+        for i, path in enumerate(ACCEPTED):
+            accepted[i, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        num_accepted = torch.tensor([len(p) for p in ACCEPTED], dtype=torch.int32)
+        model.commit_verified(fb, accepted, num_accepted)
+        cache.commit([0, 1], num_accepted.tolist())
+        out.append(model.compute_logits(model(cache.batch([0, 1], [[7], [9]]))))
+    return out
+
+
+def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tmp_path_factory):
+    """The tiny model with other weights (seed 1)."""
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny_other"), seed=1)
+
+
+@pytest.fixture
+def backend(request):
+    set_backend(request.param)
+    yield request.param
+    set_backend(None)
+
+
+def test_loaded_model_is_fused_with_unchanged_names(tiny_checkpoint):
+    fused, unfused = load_model(tiny_checkpoint, dtype="float32"), unfused_model(tiny_checkpoint)
+    assert is_fused(fused) and not any(m.fused_input for m in groups(unfused))
+    assert len(groups(fused)) == 2 * fused.config.num_hidden_layers  # each layer's mixer and MLP
+    assert list(fused.state_dict()) == list(unfused.state_dict())
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in unfused.named_parameters()]
+    for (name, a), b in zip(fused.state_dict().items(), unfused.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for module in groups(fused):
+        weight, bias = module.fused_input.weight, module.fused_input.bias
+        assert weight.is_contiguous() and (bias is None) == (module.input_projections()[0].bias is None)
+        start = 0
+        for linear in module.input_projections():  # each parameter is its rows of the one tensor, not a copy
+            rows = slice(start, start + linear.out_features)
+            assert linear.weight.data_ptr() == weight[rows].data_ptr() and linear.weight.shape == weight[rows].shape
+            if bias is not None:
+                assert linear.bias.data_ptr() == bias[rows].data_ptr()
+            start = rows.stop
+        assert start == weight.shape[0]
+    attention = next(layer.self_attn for layer in fused.model.layers if layer.kind != "jet")
+    assert attention.fused_input.bias is not None  # Qwen2 q/k/v biases are fused too
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"], indirect=True)
+def test_fused_equals_unfused_in_every_phase(tiny_checkpoint, backend):
+    if backend == "triton" and not envs.triton_interpret():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    fused, unfused = load_model(tiny_checkpoint, dtype="float32"), unfused_model(tiny_checkpoint)
+    assert_same_logits(run_phases(fused), run_phases(unfused))
+
+
+def test_fusing_twice_changes_nothing(tiny_checkpoint):
+    model = load_model(tiny_checkpoint, dtype="float32")
+    before = [m.fused_input for m in groups(model)]
+    pointers = [p.data_ptr() for p in model.parameters()]
+    assert fuse_projections(model) is model
+    assert all(m.fused_input is f for m, f in zip(groups(model), before, strict=True))
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+def test_parameters_replaced_after_fusion_are_never_stale(tiny_checkpoint, other_checkpoint):
+    """A replaced parameter (assign-loading, `.data =` on one projection, a cast) leaves the fused copy behind: the next
+    forward must notice and compute with the new parameters, and fusing again restores the fused path."""
+    other = unfused_model(other_checkpoint)
+    want = run_phases(other)
+
+    model = load_model(tiny_checkpoint, dtype="float32")
+    model.load_state_dict({n: t.clone() for n, t in other.state_dict().items()}, assign=True)
+    assert_same_logits(run_phases(model), want)
+    assert not any(m.fused_input for m in groups(model))  # the stale copies were dropped
+    fuse_projections(model)
+    assert is_fused(model)
+    assert_same_logits(run_phases(model), want)
+
+    # One projection of a jet layer and one of an attention layer re-pointed by hand.
+    model = load_model(tiny_checkpoint, dtype="float32")
+    reference = unfused_model(tiny_checkpoint)
+    jet = next(i for i, layer in enumerate(model.model.layers) if layer.kind == "jet")
+    attn = next(i for i, layer in enumerate(model.model.layers) if layer.kind != "jet")
+    for m in (model, reference):
+        w1 = m.model.layers[jet].self_attn.dynamic_conv1d.kernel_generator.w1
+        w1.weight.data = other.model.layers[jet].self_attn.dynamic_conv1d.kernel_generator.w1.weight.clone()
+        m.model.layers[attn].self_attn.k_proj.bias.data = other.model.layers[attn].self_attn.k_proj.bias.clone()
+    assert_same_logits(run_phases(model), run_phases(reference))
+
+    # In-place writes (load_state_dict without assign) land in the fused tensor itself: still fused, still right.
+    model = load_model(tiny_checkpoint, dtype="float32")
+    model.load_state_dict(other.state_dict())
+    assert is_fused(model)
+    assert_same_logits(run_phases(model), want)
+
+    model = cast_model(load_model(tiny_checkpoint, dtype="float32"), torch.bfloat16)
+    assert_same_logits(run_phases(model), run_phases(load_model(tiny_checkpoint, dtype="bfloat16")))
+
+
+def test_autograd_reaches_each_weight_of_a_fused_model(tiny_checkpoint):
+    """Training a loaded (fused) model: with grad enabled the group runs over the parameters themselves."""
+    model = load_model(tiny_checkpoint, dtype="float32").requires_grad_(True)
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for module in groups(model):
+        linears = module.input_projections()
+        module.project(x).square().sum().backward()
+        weights = [li.weight.detach().clone().requires_grad_(True) for li in linears]
+        separate = torch.cat([F.linear(x, w, li.bias) for w, li in zip(weights, linears, strict=True)], dim=-1)
+        grads = torch.autograd.grad(separate.square().sum(), weights)
+        for li, grad in zip(linears, grads, strict=True):
+            torch.testing.assert_close(li.weight.grad, grad, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_is_fused_and_equals_unfused(tiny_checkpoint, tmp_path):
+    target = load_model(tiny_checkpoint, dtype="float32")
+    draft_dir = make_draft_checkpoint(tiny_checkpoint, tmp_path / "draft", seed=1, draft_vocab_size=100)
+    draft = load_draft_model(draft_dir, target)
+    assert is_fused(draft) and len(groups(draft)) == 2
+    unfused = load_draft_model(draft_dir, target)
+    for m in groups(unfused):
+        m.fused_input = None
+    x = torch.randn(6, 2 * draft.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for a, b in zip(groups(draft), groups(unfused), strict=True):
+        y = x if a is draft.midlayer.self_attn else x[:, : draft.config.hidden_size]
+        torch.testing.assert_close(a.project(y), b.project(y), rtol=1e-6, atol=1e-6)
+
+
+def test_engine_fuses_the_model_it_is_given(tiny_checkpoint):
+    model = unfused_model(tiny_checkpoint)
+    config = EngineConfig(
+        model=str(tiny_checkpoint), device="cpu", page_size=4, num_pages=64, num_slots=3, max_model_len=128
+    )
+    engine = LLMEngine(config, model=model, tokenizer=None)
+    assert engine.model is model and is_fused(model)

@@ -25,7 +25,7 @@ from jetserve.sampling_params import SamplingParams
 def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int, bandwidth: float) -> dict:
     gen = torch.Generator().manual_seed(batch_size)
     prefill_steps = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 3 * steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 4 * steps + 8, ignore_eos=True)
     for i in range(batch_size):
         engine.add_request(f"p{i}", torch.randint(0, 1000, (input_len,), generator=gen).tolist(), params)
     for _ in range(prefill_steps + steps):  # prefill, then warm decode steps (graph replay, allocator)
@@ -36,6 +36,11 @@ def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int
         engine.step()
     step_ms = (time.perf_counter() - start) * 1e3 / steps
     replay_ms = graph_replay_ms(engine, batch_size, steps)
+    phases = phase_ms(engine, steps)
+    print(
+        f"\nbatch {batch_size}: one step's phases, each timed to its GPU work's end (ms): "
+        + ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items())
+    )
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -49,8 +54,8 @@ def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     while engine.has_unfinished_requests():
         engine.step()
-    # The profiled steps' mean context: prompt + the steps before them (the warm and the unprofiled steps).
-    roofline_ms = decode_step_bytes(engine, batch_size, input_len + 2 * steps + steps // 2) / bandwidth * 1e3
+    # The profiled steps' mean context: prompt + the steps before them (the warm, unprofiled and phase-timed steps).
+    roofline_ms = decode_step_bytes(engine, batch_size, input_len + 3 * steps + steps // 2) / bandwidth * 1e3
     print(
         f"\nbatch {batch_size}: LLMEngine.step {step_ms:.3f} ms, decode graph replay alone {replay_ms:.3f} ms "
         f"(unprofiled)"
@@ -61,8 +66,71 @@ def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"{e.key[:80]:80} {e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f}")
     return {"batch_size": batch_size, "input_len": input_len, "step_ms": step_ms, "replay_ms": replay_ms,
+            "phases_ms": phases,
             "kernels_per_step": sum(e.count for e in events) / steps, "wall_ms_per_step": wall_ms,
             "gpu_ms_per_step": gpu_ms, "roofline_ms_per_step": roofline_ms, "copy_gb_s": bandwidth / 1e9}  # fmt: skip
+
+
+def phase_ms(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Milliseconds per step in each phase of `LLMEngine.step`, with the device synchronised at every boundary (so
+    each phase includes the GPU work it launched): scheduling, the runner's table updates, the graph replay, the
+    sampling and the read-back of the tokens, the scheduler's bookkeeping; the rest (outputs) by difference."""
+    runner, scheduler, graphs = engine.runner, engine.scheduler, engine.runner.graph_runner
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    totals: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            sync()
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+            return result
+
+        return call
+
+    patched = {(scheduler, "schedule"): "schedule", (runner, "_claim_slots"): "claim slots",
+               (runner, "upload"): "upload", (runner.sampler, "__call__"): "sample",
+               (scheduler, "postprocess"): "postprocess"}  # fmt: skip
+    if graphs is not None:
+        patched[(graphs, "run")] = "graph run"
+    originals = {key: getattr(*key) for key in patched}
+    for (obj, attr), name in patched.items():
+        if attr == "__call__":  # a special method is looked up on the type: wrap the instance's use instead
+            runner.sampler = _CallWrapper(obj, timed(name, obj))
+        else:
+            setattr(obj, attr, timed(name, getattr(obj, attr)))
+    try:
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - start
+    finally:
+        for (obj, attr), fn in originals.items():
+            if attr == "__call__":
+                runner.sampler = obj
+            else:
+                setattr(obj, attr, fn)
+    result = {name: 1e3 * seconds / steps for name, seconds in totals.items()}
+    result["step"] = 1e3 * wall / steps
+    result["rest"] = result["step"] - sum(v for k, v in result.items() if k != "step")
+    return result
+
+
+class _CallWrapper:
+    """`sampler(...)` through `call`, every other attribute from the sampler itself."""
+
+    def __init__(self, target, call) -> None:
+        self._target, self._call = target, call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
 
 
 def graph_replay_ms(engine: LLMEngine, batch_size: int, steps: int) -> float:
@@ -94,7 +162,7 @@ def main() -> None:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device("cuda")
     model = random_model(args.config, "bfloat16", device, seed=0)
-    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 3 * args.steps + 256)
+    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4 * args.steps + 256)
     engine = LLMEngine(config, model=model, tokenizer=None)
     bandwidth = measure_copy_bandwidth(device)
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]

@@ -1,0 +1,240 @@
+"""Triton skinny GEMM (GEMV) for decode-time linear layers: `y = x @ weightᵀ + bias` with few rows in x, which streams
+the weight once. Each program owns BLOCK_N output features and a range of K; it loads each [BLOCK_N, BLOCK_K] weight
+tile once and multiplies it by all (≤ BLOCK_M) rows of x, accumulating in fp32: on tensor cores (tl.dot, the weight
+tile as the wide operand, rows of x padded to 16) or, for one row, with FMAs reduced over K once after the loop. When
+too few programs cover N to fill the GPU, K is split too: each split writes fp32 partial sums and a second launch adds
+them in a fixed order (deterministic; no atomics, no host sync: the launch can be captured in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from jetserve.ops.linear.reference import check_linear
+
+MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
+FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
+MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
+INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    """One launch's tile sizes; `num_splits` > 1 splits K (fp32 partials, then a second reduction launch)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_splits: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 3  # loads in flight per program (the software pipeline's depth)
+
+
+@triton.jit
+def _linear_kernel(
+    x,
+    w,
+    bias,
+    y,
+    partial,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    tiles_per_split,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = tl.arange(0, BLOCK_M)
+    m_n = o_n < N
+    m_m = o_m < M
+    num_tiles = tl.minimum(tiles_per_split, tl.cdiv(K, BLOCK_K) - i_s * tiles_per_split)
+    o_k = i_s * tiles_per_split * BLOCK_K + tl.arange(0, BLOCK_K)
+    # Weight rows past N read row N-1 instead of being masked (valid memory; those outputs are dropped at the store), so
+    # the weight loads carry no mask at all when BLOCK_K divides K. Rows of x past M are masked to zero.
+    r_n = tl.minimum(o_n, N - 1).to(tl.int64)
+    p_w = w + r_n[:, None] * stride_wn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
+    p_x = x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    for i in range(num_tiles):
+        if EVEN_K:
+            b_w = tl.load(p_w)
+            if EVEN_M:
+                b_x = tl.load(p_x)
+            else:
+                b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
+        else:
+            m_k = (o_k + i * BLOCK_K) < K
+            b_w = tl.load(p_w, mask=m_k[None, :], other=0.0)
+            b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
+        else:
+            acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+        p_w += BLOCK_K
+        p_x += BLOCK_K
+    if USE_DOT:
+        b_y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        b_y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    m_y = m_m[:, None] & m_n[None, :]
+    o_y = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    if IS_SPLIT:
+        tl.store(partial + i_s.to(tl.int64) * M * N + o_y, b_y, mask=m_y)
+    else:
+        if HAS_BIAS:
+            b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
+
+
+@triton.jit
+def _split_sum_kernel(partial, bias, y, M, N, num_splits, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    i_m, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i_s in range(num_splits):  # a fixed order: the result does not depend on which split finished first
+        b_y += tl.load(partial + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)
+    if HAS_BIAS:
+        b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
+    tl.store(y + i_m * N + o_n, b_y.to(y.dtype.element_ty), mask=m_n)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (INTERPRETER_SMS elsewhere), queried once per device."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
+    """Tiles for a [num_rows, k] x [n, k]ᵀ product (num_rows ≤ MAX_BLOCK_M) on a GPU of `num_sms` SMs.
+
+    From a sweep of tiles, pipeline depths and splits on an H200 (bf16, the 2B/4B decode shapes, weights read from HBM):
+    - Tensor-core tiles of 64 x 128 (rows padded to 16) are best from 2 rows on, and for one row once N alone gives
+      every SM a tile. One program per SM with a 4-stage pipeline keeps enough bytes in flight; more programs than fit
+      at once (2 per SM at 4 stages, 3 at 3 stages) cost a second wave, so a wide N takes 3 stages.
+    - One row with a narrower N takes FMA tiles of 4 x 1024 (no shared memory, many programs per SM).
+    - K is split (fp32 partials and a second launch) only to give each SM a program, and only into runs of at least
+      MIN_TILES_PER_SPLIT tiles: shorter runs lose to their pipeline's start-up and the extra launch.
+    """
+    assert 0 < num_rows <= MAX_BLOCK_M
+    use_dot = num_rows > 1 or triton.cdiv(n, 64) >= num_sms
+    if use_dot:
+        block_m = max(16, triton.next_power_of_2(num_rows))
+        block_n = min(64, max(16, triton.next_power_of_2(n)))
+        block_k = min(128, max(16, triton.next_power_of_2(k)))
+        programs_n = triton.cdiv(n, block_n)
+        num_stages = 4 if programs_n <= 2 * num_sms else 3
+        wanted_splits = num_sms // programs_n
+    else:
+        block_m, block_n, num_stages = 1, min(4, triton.next_power_of_2(n)), 1
+        block_k = min(1024, triton.next_power_of_2(k))
+        programs_n = triton.cdiv(n, block_n)
+        wanted_splits = FMA_PROGRAMS_PER_SM * num_sms // programs_n
+    num_tiles = triton.cdiv(k, block_k)
+    num_splits = max(1, min(wanted_splits, num_tiles // MIN_TILES_PER_SPLIT))
+    num_splits = triton.cdiv(num_tiles, triton.cdiv(num_tiles, num_splits))  # no split left without a tile
+    return GemvTiling(block_m, block_n, block_k, num_splits, use_dot, num_warps=4, num_stages=num_stages)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tiling: GemvTiling | None = None
+) -> torch.Tensor:
+    """`y = x @ weightᵀ + bias`, fp32 accumulation, one rounding to x.dtype; see `reference.linear`.
+
+    x [M, K] (any leading dims; rows may be strided, K must have unit stride or x is copied), weight [N, K], bias [N] or
+    None → y [M, N] in x.dtype. Meant for few rows (decode); more than MAX_BLOCK_M rows run as several launches.
+    `tiling` overrides the heuristic (`choose_tiling`), for tests and tuning.
+    """
+    check_linear(x, weight, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    num_rows = math.prod(lead)
+    x2 = x.reshape(num_rows, k)  # [M, K], a view where x's layout allows
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if num_rows == 0 or n == 0:
+        return y.view(*lead, n)
+    if k == 0:  # an empty sum: the kernels' addressing assumes at least one column
+        y.copy_(bias.expand(num_rows, n) if bias is not None else torch.zeros_like(y))
+        return y.view(*lead, n)
+    for start in range(0, num_rows, MAX_BLOCK_M):
+        rows = min(MAX_BLOCK_M, num_rows - start)
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling)
+    return y.view(*lead, n)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, tiling: GemvTiling | None
+) -> None:
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    t = tiling or choose_tiling(num_rows, n, k, sm_count(x.device))
+    if t.block_m < num_rows:
+        raise ValueError(f"tiling: block_m {t.block_m} holds fewer than the {num_rows} rows of x")
+    num_tiles = triton.cdiv(k, t.block_k)
+    tiles_per_split = triton.cdiv(num_tiles, t.num_splits)
+    num_splits = triton.cdiv(num_tiles, tiles_per_split)
+    is_split = num_splits > 1
+    partial = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=x.device) if is_split else y
+    _linear_kernel[(triton.cdiv(n, t.block_n), num_splits)](
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        partial,
+        num_rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        tiles_per_split,
+        HAS_BIAS=bias is not None,
+        IS_SPLIT=is_split,
+        USE_DOT=t.use_dot,
+        EVEN_M=num_rows == t.block_m,
+        EVEN_K=k % t.block_k == 0,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    if is_split:
+        block_n = min(1024, triton.next_power_of_2(n))
+        _split_sum_kernel[(num_rows, triton.cdiv(n, block_n))](
+            partial,
+            bias if bias is not None else y,
+            y,
+            num_rows,
+            n,
+            num_splits,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+        )

@@ -1,0 +1,30 @@
+"""The linear layer `y = x @ weightᵀ + bias` in pure PyTorch (`F.linear`), and the argument checks both variants use."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """ValueError unless x [..., K], weight [N, K] and bias (None or [N]) fit together and share x's dtype."""
+    if x.dim() < 1:
+        raise ValueError("x must have a last (input feature) dimension")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must be [N, K] with K = {x.shape[-1]}, got shape {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(
+            f"bias must be [N] = [{weight.shape[0]}] in {x.dtype}, got shape {tuple(bias.shape)}, {bias.dtype}"
+        )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`: x [M, K] (any leading dims), weight [N, K] (nn.Linear layout), bias [N] or None → y [M, N], x.dtype.
+
+    On a GPU this is cuBLAS (fp32 accumulation for fp16/bf16, one rounding at the end); the Triton variant matches it to
+    rounding.
+    """
+    check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,244 @@
+"""Linear op: the Triton skinny GEMM against the reference (`F.linear`) and float64, on the CPU interpreter at awkward
+sizes and on the GPU at the 2B/4B decode shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetserve import envs
+from jetserve.ops import backend
+from jetserve.ops.linear import GEMV_MAX_ROWS
+from jetserve.ops.linear import linear as dispatched_linear
+from jetserve.ops.linear import reference as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER_DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # relative to the output's scale
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def expected(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weightᵀ + bias in float64."""
+    y = x.double() @ weight.double().T
+    return y + bias.double() if bias is not None else y
+
+
+def assert_matches(actual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Finite, in x.dtype, and within rounding of the float64 product: errors are measured against the output's scale
+    (the root-mean-square of the exact result), since single outputs of a random product can be near zero."""
+    exact = expected(x, weight, bias)
+    assert actual.dtype == x.dtype and actual.shape == exact.shape
+    assert torch.isfinite(actual).all()
+    scale = max(exact.pow(2).mean().sqrt().item(), 1e-6) if exact.numel() else 1.0
+    tol = TOLERANCE[x.dtype]
+    torch.testing.assert_close(actual.double() / scale, exact / scale, rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def kernels(poisoned_empty):
+    """The Triton module, with every new floating-point tensor (the output, the split-K partials) NaN-filled."""
+    if DEVICE == "cpu" and not envs.triton_interpret():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from jetserve.ops.linear import kernels as module
+
+    return module
+
+
+def test_reference_is_f_linear() -> None:
+    x, weight, bias = randn(3, 17, seed=1), randn(5, 17, seed=2), randn(5, seed=3)
+    assert torch.equal(ref.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    assert ref.linear(x.view(3, 1, 17), weight).shape == (3, 1, 5)
+    assert_matches(ref.linear(x, weight, bias), x, weight, bias)
+
+
+def test_rejects_bad_arguments() -> None:
+    x = randn(2, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        ref.linear(x, randn(4, 7))
+    with pytest.raises(ValueError, match="dtype"):
+        ref.linear(x, randn(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias"):
+        ref.linear(x, randn(4, 8), randn(3))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 3, 16])
+@pytest.mark.parametrize("n", [1, 12, 37, 300])
+@pytest.mark.parametrize("k", [1, 17, 64, 200])
+def test_linear_kernel_awkward_sizes(kernels, dtype: torch.dtype, num_rows: int, n: int, k: int) -> None:
+    x = randn(num_rows, k, dtype=dtype, seed=10)
+    weight = randn(n, k, dtype=dtype, seed=11, scale=k**-0.5)
+    bias = randn(n, dtype=dtype, seed=12) if (n + k) % 2 else None  # half the cases with a bias
+    x, weight = x.to(DEVICE), weight.to(DEVICE)
+    bias = bias.to(DEVICE) if bias is not None else None
+    assert_matches(kernels.linear(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize(
+    "num_rows, n, k, block_m, block_n, block_k, num_splits, use_dot",
+    [
+        (1, 37, 200, 1, 16, 32, 3, False),  # FMA, split K with a ragged last split and a ragged last tile
+        (3, 300, 64, 4, 8, 16, 4, False),  # FMA, split K, K a multiple of the tile
+        (5, 37, 200, 16, 16, 32, 1, True),  # tensor-core tile (rows padded to 16), one split
+        (16, 300, 200, 16, 32, 16, 5, True),  # tensor-core tile, split K
+    ],
+)
+def test_linear_kernel_every_path(
+    kernels,
+    dtype: torch.dtype,
+    has_bias: bool,
+    num_rows: int,
+    n: int,
+    k: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    num_splits: int,
+    use_dot: bool,
+) -> None:
+    """The tiling heuristic picks a path from the shape; force each one (FMA / tl.dot, with and without split K)."""
+    tiling = kernels.GemvTiling(block_m, block_n, block_k, num_splits, use_dot)
+    x = randn(num_rows, k, dtype=dtype, seed=20).to(DEVICE)
+    weight = randn(n, k, dtype=dtype, seed=21, scale=k**-0.5).to(DEVICE)
+    bias = randn(n, dtype=dtype, seed=22).to(DEVICE) if has_bias else None
+    assert_matches(kernels.linear(x, weight, bias, tiling=tiling), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+def test_linear_kernel_strided_rows(kernels, dtype: torch.dtype) -> None:
+    """x a column slice of a wider tensor (row stride > K, unit stride along K), e.g. one part of a fused output."""
+    wide = randn(4, 3 + 70 + 5, dtype=dtype, seed=30).to(DEVICE)
+    x = wide[:, 3:73]  # [4, 70], stride (78, 1)
+    assert x.stride() == (78, 1)
+    weight = randn(45, 70, dtype=dtype, seed=31, scale=70**-0.5).to(DEVICE)
+    bias = randn(45, dtype=dtype, seed=32).to(DEVICE)
+    assert_matches(kernels.linear(x, weight, bias), x, weight, bias)
+    xt = randn(70, 4, dtype=dtype, seed=33).to(DEVICE).T  # unit stride along M: copied
+    assert_matches(kernels.linear(xt, weight), xt, weight, None)
+
+
+def test_linear_kernel_leading_dims_and_empty(kernels) -> None:
+    x = randn(2, 3, 24, seed=40).to(DEVICE)
+    weight = randn(10, 24, seed=41).to(DEVICE)
+    y = kernels.linear(x, weight)
+    assert y.shape == (2, 3, 10)
+    assert_matches(y.view(6, 10), x.view(6, 24), weight, None)
+    assert kernels.linear(x[:0], weight).shape == (0, 3, 10)
+    bias = randn(10, seed=42).to(DEVICE)
+    assert torch.equal(kernels.linear(x[..., :0], weight[:, :0], bias), bias.expand(2, 3, 10))
+
+
+def test_linear_kernel_more_rows_than_one_launch(kernels) -> None:
+    """Rows past MAX_BLOCK_M run as further launches over row blocks."""
+    num_rows = kernels.MAX_BLOCK_M + 3
+    x = randn(num_rows, 20, seed=50).to(DEVICE)
+    weight = randn(7, 20, seed=51).to(DEVICE)
+    assert_matches(kernels.linear(x, weight), x, weight, None)
+
+
+def test_choose_tiling_at_decode_shapes() -> None:
+    """At the 2B/4B decode shapes on an H200 (132 SMs): the tile holds every row; more than one row takes tensor-core
+    tiles; K is split only into runs of at least MIN_TILES_PER_SPLIT tiles and never past one program per SM."""
+    from jetserve.ops.linear.kernels import FMA_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, choose_tiling
+
+    for num_rows in (1, 2, 3, 8, 16, 32, 64):
+        for n, k in [(1536, 8960), (8960, 1536), (1536, 3072), (8856, 1536), (151936, 1536), (2048, 11008), (12, 1536)]:
+            t = choose_tiling(num_rows, n, k, num_sms=132)
+            assert t.block_m >= num_rows and (t.use_dot or num_rows == 1)
+            if t.num_splits > 1:
+                assert -(-k // t.block_k) // t.num_splits >= MIN_TILES_PER_SPLIT - 1, (num_rows, n, k, t)
+                programs_per_sm = 1 if t.use_dot else FMA_PROGRAMS_PER_SM
+                assert -(-n // t.block_n) * t.num_splits <= programs_per_sm * 132, (num_rows, n, k, t)
+    assert choose_tiling(2, 1536, 8960, num_sms=132).num_splits > 1  # the MLP down projection: too few tiles on N
+    assert not choose_tiling(1, 1536, 8960, num_sms=132).use_dot  # one row, narrow N: FMA tiles
+    assert choose_tiling(1, 8960, 1536, num_sms=132).use_dot  # one row, N fills the SMs with tensor-core tiles
+
+
+def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton for 1..GEMV_MAX_ROWS rows when the backend allows it, F.linear otherwise."""
+    from jetserve.ops.linear import kernels as module
+
+    calls = []
+    monkeypatch.setattr(module, "linear", lambda x, w, b=None: calls.append(x.shape) or ref.linear(x, w, b))
+    monkeypatch.setattr(backend, "_forced", None)
+    weight = randn(6, 8, seed=60)
+    backend.set_backend("triton")
+    try:
+        interpreted = envs.triton_interpret()
+        dispatched_linear(randn(1, 8), weight)
+        dispatched_linear(randn(GEMV_MAX_ROWS, 8), weight)
+        dispatched_linear(randn(GEMV_MAX_ROWS + 1, 8), weight)  # too many rows: F.linear
+        dispatched_linear(randn(2, 8, dtype=torch.float64), weight.double())  # no Triton variant for float64
+        assert calls == ([(1, 8), (GEMV_MAX_ROWS, 8)] if interpreted or DEVICE == "cuda" else [])
+        calls.clear()
+        backend.set_backend("reference")
+        dispatched_linear(randn(1, 8), weight)
+        assert calls == []
+    finally:
+        backend.set_backend(None)
+
+
+# --- GPU: the real decode shapes in bf16 (tests/ops/test_*_gpu.py style) ---
+
+# (N, K) of decode projections, separate and fused. 2B: hidden 1536, MLP 8960, JetBlock D_k 1152, D_v 3072, D_g 384,
+# 12 heads. 4B: hidden 2048, MLP 11008, D_k 2048, D_v 4096, D_g 512, 16 heads. Attention: 12/16 heads, 2 KV heads, 128.
+GPU_SHAPES = {
+    "2b jet q|k|v|a|b|g|w1": (1152 + 1152 + 3072 + 12 + 12 + 3072 + 384, 1536),
+    "2b jet a": (12, 1536),
+    "2b jet o": (1536, 3072),
+    "2b attn q|k|v": (1536 + 256 + 256, 1536),
+    "2b mlp gate|up": (2 * 8960, 1536),
+    "2b mlp down": (1536, 8960),
+    "2b lm_head": (151936, 1536),
+    "4b jet q|k|v|a|b|g|w1": (2048 + 2048 + 4096 + 16 + 16 + 4096 + 512, 2048),
+    "4b jet o": (2048, 4096),
+    "4b mlp gate|up": (2 * 11008, 2048),
+    "4b mlp down": (2048, 11008),
+    "4b lm_head": (151936, 2048),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 16, 32])
+def test_linear_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -> None:
+    n, k = GPU_SHAPES[name]
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(num_rows)
+    x = torch.randn(num_rows, k, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if "attn" in name else None
+    actual = kernels.linear(x, weight, bias)
+    assert_matches(actual, x, weight, bias)
+    torch.testing.assert_close(actual, ref.linear(x, weight, bias), rtol=1.6e-2, atol=2e-2)  # cuBLAS, to bf16 rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_linear_kernel_in_cuda_graph(kernels) -> None:
+    """The launch captures (no host sync; the split-K partials come from the caching allocator) and replays."""
+    n, k = GPU_SHAPES["2b mlp down"]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    expected_y = kernels.linear(x, weight)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.linear(x, weight)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernels.linear(x, weight)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(y, expected_y)
+    assert torch.equal(y, kernels.linear(x, weight))  # deterministic: split K sums in a fixed order

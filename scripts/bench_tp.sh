@@ -2,7 +2,8 @@
 # Tensor parallelism on 2 GPUs (run on nvidia-h200-x2): `jetserve bench offline` at TP=1 and TP=2 on the 2B and 4B
 # configs (random weights) in one run, then the collectives of a TP=2 decode step against NCCL's bus bandwidth
 # measured here. Prints JSON rows (one per batch size) under a header per run; results go to $OUT (default bench_tp/).
-# Carry ".whl" (fla-core) in the call, as for gpu_check.sh.
+# Carry ".whl" (fla-core) in the call, as for gpu_check.sh. Env: CONFIGS (default "2b 4b"), BATCH_SIZES, INPUT_LEN,
+# OUTPUT_LEN.
 set -euo pipefail
 OUT=$(realpath -m "${OUT:-bench_tp}")
 cd "$(dirname "$0")/.."
@@ -11,10 +12,11 @@ install_carried_wheels
 BATCH_SIZES=${BATCH_SIZES:-1,8,64,256}
 INPUT_LEN=${INPUT_LEN:-1024}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
+CONFIGS=${CONFIGS:-2b 4b}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.csv"
 nvidia-smi topo -m | tee "$OUT/topology.txt"
-for config in 2b 4b; do
+for config in $CONFIGS; do
   for tp in 1 2; do
     echo "== bench offline --config $config --tensor-parallel-size $tp"
     python3 -m jetserve.cli bench offline --config "$config" --dtype bfloat16 --tensor-parallel-size "$tp" \
@@ -34,6 +36,8 @@ def rows(name):
 print(f"{'config':>6} {'batch':>6} {'TPOT tp1 ms':>12} {'TPOT tp2 ms':>12} {'speed-up':>9} {'comm us':>9} "
       f"{'comm share':>11} {'comm bw-bound us':>17} {'busbw GB/s':>11}")
 for config in ("2b", "4b"):
+    if not (out / f"collectives_{config}_tp2.jsonl").exists():
+        continue
     one, two = rows(f"offline_{config}_tp1.jsonl"), rows(f"offline_{config}_tp2.jsonl")
     comm = rows(f"collectives_{config}_tp2.jsonl")
     for b in sorted(one):

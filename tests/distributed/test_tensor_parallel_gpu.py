@@ -56,7 +56,6 @@ def test_tp2_equals_tp1_in_bf16(tmp_path, preset, enforce_eager):
         got = run(engine, prompts)
     finally:
         engine.shutdown()
-    num_same = 0
     for g, w in zip(got, want, strict=True):
         first_g, first_w = g.logprobs[0], w.logprobs[0]
         # The first token's top-5 log-probs (prefill) agree to bf16 precision (sums split over 2 ranks round
@@ -67,6 +66,12 @@ def test_tp2_equals_tp1_in_bf16(tmp_path, preset, enforce_eager):
             a = first_g.top_logprobs[first_g.top_ids.index(token)]
             b = first_w.top_logprobs[first_w.top_ids.index(token)]
             assert abs(a - b) < 0.1, (token, a, b)
-        num_same += g.output_token_ids == w.output_token_ids
-    # Greedy paths may part at a bf16 near-tie, but not for most requests.
-    assert num_same >= len(prompts) - 1
+        # Random bf16 weights give nearly flat logits whose top entries often tie at bf16 resolution, so the greedy
+        # paths may part; but only where one GPU's own top-5 puts TP=2's token within bf16 rounding of its best.
+        pairs = enumerate(zip(g.output_token_ids, w.output_token_ids, strict=True))
+        part = next((j for j, (x, y) in pairs if x != y), None)
+        if part is not None:
+            ref = w.logprobs[part]
+            token = g.output_token_ids[part]
+            assert token in ref.top_ids, (part, token, ref.top_ids)
+            assert ref.top_logprobs[0] - ref.top_logprobs[ref.top_ids.index(token)] < 0.1, (part, ref)

@@ -154,7 +154,8 @@ class Drafter:
             pick = frontier_index[:, :, None]  # [N, k, 1]
             branch_tokens = chain_tokens.gather(1, pick.expand(-1, -1, depth))  # [N, k, d]
             branch_hidden = chain_hidden.gather(1, pick[..., None].expand(-1, -1, depth, hidden_size))  # [N, k, d, H]
-            positions = (roots[:, None, None] + torch.arange(depth, device=device)).expand(-1, k, -1)  # [N, k, d]
+            # [N, k, d] made dense: with N = 1 the expanded view would flatten to a stride-0 vector
+            positions = (roots[:, None, None] + torch.arange(depth, device=device)).expand(-1, k, -1).contiguous()
             cu = torch.arange(num_seqs * k + 1, device=device) * depth
             fb = self._prefill_batch(
                 positions.reshape(-1), cu, roots[rows] + depth,

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from jetserve import envs
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
 from jetserve.engine.speculative import (
@@ -27,6 +28,7 @@ from jetserve.generate import generate_tokens
 from jetserve.llm import LLM
 from jetserve.model.forward_batch import Phase
 from jetserve.model.static_cache import StaticCache
+from jetserve.ops.backend import set_backend
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint
 
@@ -618,3 +620,27 @@ def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny
     assert len(decode) > 10 and all(n == 0 for n in decode)
     assert all(n > 0 for phase, n in phases if phase is Phase.PREFILL)
     assert engine.num_verify_steps >= 1 and any(phase is Phase.VERIFY for phase, _ in phases)
+
+
+@pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton draft kernels run here in the interpreter")
+def test_one_sequence_tree_draft_is_the_same_with_the_triton_kernels(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """A single sequence drafting a tree (topk 2): levels past the first run k branches of one row, whose positions
+    the drafter once built as an expanded view (stride 0) that the RoPE kernel read past — on the GPU an illegal
+    address during the spec graphs' capture. The Triton tree equals the reference ops' tree."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **TREE)
+    engine.add_request("0", prompts[3], greedy())
+    engine.step()  # the prompt's prefill, the draft caught up on it
+    seq = engine.scheduler.running[0]
+    roots = torch.tensor([seq.token_ids[-1]])
+    prefix = torch.tensor([seq.num_computed_tokens])
+    slots = torch.tensor([seq.slot])
+    trees = {}
+    try:
+        for backend in ("reference", "triton"):
+            set_backend(backend)
+            trees[backend] = engine.spec.draft_tree(0, roots, prefix, slots)
+    finally:
+        set_backend("reference")
+    for field in ("tokens", "parents", "positions"):
+        assert torch.equal(getattr(trees["triton"], field), getattr(trees["reference"], field)), field
+    torch.testing.assert_close(trees["triton"].scores, trees["reference"].scores, rtol=1e-4, atol=1e-4)

@@ -541,3 +541,20 @@ def test_triton_commit(triton_attention, ring):
         mine.k, mine.v, mine.block_tables, prefix, accepted, num_accepted, ring_tokens=ring
     )
     assert same_bits(mine.k, cache.k) and same_bits(mine.v, cache.v)
+
+
+def test_triton_rope_reads_positions_through_their_stride(triton_attention):
+    """Positions handed as views (a column of a matrix, an expanded scalar — the draft's tree levels make the
+    latter) rotate as their values say, not as the memory beside them does."""
+    gen = torch.Generator().manual_seed(22)
+    table = ref.rope_cos_sin(64, 32, 1e6)
+    q, k = randn(gen, 5, H, 32), randn(gen, 5, HK, 32)
+    wanted = torch.tensor([3, 9, 0, 40, 63])
+    column = torch.stack([wanted, torch.full_like(wanted, 50)], dim=1)[:, 0]  # stride 2; 50s in between
+    expanded = torch.tensor([7]).expand(5)  # stride 0
+    for positions in (column, expanded):
+        assert not positions.is_contiguous()
+        got = triton_attention.apply_rope(q, k, positions, table)
+        want = ref.apply_rope(q, k, positions.contiguous(), table)
+        assert_matches(got[0], want[0])
+        assert_matches(got[1], want[1])

@@ -347,7 +347,8 @@ def test_triton_decode_matches_reference(width: int, dtype: torch.dtype) -> None
     pool, dead = poisoned_pool(27, width, d, live, dtype)
     pool[0] = 0.25  # padded rows read and clobber slot 0; a finite value keeps their (ignored) outputs finite
     w2_weight, w2_bias = make_weights(d, g, width, dtype)
-    state_indices = slots.to(torch.int32)
+    # a strided view of the slots (a dead slot between them): the kernel must read the slots, not their neighbours
+    state_indices = torch.stack([slots, torch.full_like(slots, dead[0])], dim=1).to(torch.int32)[:, 0]
     real = torch.ones(num_seqs, dtype=torch.bool)
     real[[4, 11]] = False
     before, expect_pool = pool.clone(), pool.clone()

@@ -212,6 +212,15 @@ def test_triton_sample_matches_reference(kernels, num_rows: int, vocab: int) -> 
     assert torch.equal(tokens, ref.sample(logits, **params))
 
 
+def test_triton_sample_reads_row_parameters_through_their_stride(kernels) -> None:
+    """Per-row parameters handed as strided views (columns of a matrix) draw what their values say."""
+    logits = random_logits(12, 300, seed=5, scale=2.0).to(DEVICE)
+    params = {name: p.to(DEVICE) for name, p in mixed_rows(12, 300, seed=6).items()}
+    strided = {name: torch.stack([p, p.flip(0)], dim=1)[:, 0] for name, p in params.items()}
+    assert not any(p.is_contiguous() for p in strided.values())
+    assert torch.equal(kernels.sample(logits, **strided), ref.sample(logits, **params))
+
+
 @pytest.mark.parametrize("num_rows, vocab", [(24, 8), (6, 300), (3, 2100)])
 def test_triton_exact_threshold_fallback_matches_reference(
     kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int

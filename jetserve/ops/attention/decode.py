@@ -15,6 +15,7 @@ import triton.language as tl
 
 from jetserve.ops.attention.reference import check_decode, check_verify, check_window
 from jetserve.ops.attention.tiles import LOG2E, attend_tile, cache_slots
+from jetserve.ops.layout import dense
 
 INTERPRET_TARGET_PROGRAMS = 8  # the CPU interpreter still splits small batches, so tests cover the merge
 
@@ -212,6 +213,7 @@ def _launch(
 ) -> torch.Tensor:
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(-1) == 1
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    context_lens, slot_mapping = dense(context_lens, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

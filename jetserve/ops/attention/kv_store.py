@@ -8,6 +8,7 @@ import triton.language as tl
 
 from jetserve.ops.attention.reference import check_commit
 from jetserve.ops.attention.tiles import cache_slots
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -71,6 +72,7 @@ def store_kv(
     """
     num_seqs = cu_seqlens.shape[0] - 1
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    cu_seqlens, slot_mapping = dense(cu_seqlens, slot_mapping)
     if k.shape[0] == 0 or num_seqs == 0:
         return
     block_c = triton.next_power_of_2(num_kv_heads * head_dim)
@@ -145,6 +147,7 @@ def kv_cache_commit(
     if num_seqs == 0:
         return
     accepted_nodes = accepted_nodes if accepted_nodes.stride(-1) == 1 else accepted_nodes.contiguous()
+    prefix_lens, num_accepted = dense(prefix_lens, num_accepted)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     _commit_kernel[(num_seqs, num_kv_heads)](
         k_cache, v_cache, block_tables, prefix_lens, accepted_nodes, num_accepted,

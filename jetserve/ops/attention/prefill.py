@@ -13,6 +13,7 @@ import triton.language as tl
 from jetserve.ops.attention.kv_store import store_kv
 from jetserve.ops.attention.reference import check_prefill, check_window
 from jetserve.ops.attention.tiles import LOG2E, attend_tile, cache_slots
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -153,6 +154,7 @@ def attention_prefill(
     check_window(window_tokens, ring_tokens)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(-1) == 1
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cu_seqlens, context_lens, slot_mapping = dense(cu_seqlens, context_lens, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.attention.reference import check_rope
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def apply_rope(
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+    (positions,) = dense(positions)
     num_tokens, num_heads, head_dim = q.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)

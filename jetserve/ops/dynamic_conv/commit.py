@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_commit_args
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def dynamic_conv_commit(
     width = check_commit_args(u, conv_state, state_indices, accepted_nodes, num_accepted)
     u = u if u.stride(-1) == 1 else u.contiguous()
     accepted_nodes = accepted_nodes.contiguous()
+    state_indices, num_accepted = dense(state_indices, num_accepted)
     assert conv_state.stride(2) == 1, "conv_state rows must be contiguous"
     num_seqs, num_nodes = accepted_nodes.shape
     if num_seqs == 0:

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_decode_args
 from jetserve.ops.dynamic_conv.kernel_generator import dot_precision, kernel_tile, tiles_for
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -107,6 +108,7 @@ def dynamic_conv_decode(
     u = u if u.stride(-1) == 1 else u.contiguous()
     h = h if h.stride(-1) == 1 else h.contiguous()
     w2_weight = w2_weight.contiguous()
+    (state_indices,) = dense(state_indices)
     assert conv_state.stride(2) == 1, "conv_state rows must be contiguous"
     num_rows, num_channels = u.shape
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [N, D]

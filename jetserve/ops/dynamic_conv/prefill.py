@@ -8,6 +8,7 @@ import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_prefill_args
 from jetserve.ops.dynamic_conv.kernel_generator import dot_precision, kernel_tile, tiles_for
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -144,6 +145,7 @@ def dynamic_conv_prefill(
     u = u if u.stride(-1) == 1 else u.contiguous()
     h = h if h.stride(-1) == 1 else h.contiguous()
     w2_weight = w2_weight.contiguous()
+    cu_seqlens, state_indices, has_initial_state = dense(cu_seqlens, state_indices, has_initial_state)
     assert conv_state.stride(2) == 1, "conv_state rows must be contiguous"
     num_tokens, num_channels = u.shape
     num_seqs = state_indices.shape[0]

@@ -15,6 +15,7 @@ from jetserve.ops.gated_delta_rule.step import (
     load_unit,
     unit_last_stride,
 )
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -100,6 +101,7 @@ def gated_delta_rule_decode(
         raise ValueError(f"gated_delta_rule_decode: state_indices {tuple(state_indices.shape)} must be [{N}]")
     scale = K**-0.5 if scale is None else scale
     q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
+    (state_indices,) = dense(state_indices)
     # H200: 64-wide V tiles stream the state faster once there are enough programs; 32 wins at small batch
     BK, BV = block_sizes(K, V, block_v if block_v is not None or N * H < 512 else 64)
     o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)

@@ -22,6 +22,7 @@ from jetserve.ops.gated_delta_rule.step import (
     token_step,
     unit_last_stride,
 )
+from jetserve.ops.layout import dense
 
 
 @triton.jit
@@ -233,6 +234,7 @@ def gated_delta_rule_verify(
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
+    (state_indices,) = dense(state_indices)
     BK, BV = block_sizes(K, V, block_v)
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
@@ -298,6 +300,7 @@ def gated_delta_rule_commit(
         raise ValueError(f"gated_delta_rule_commit: num_accepted {tuple(num_accepted.shape)} must be [{N}]")
     K, V = k.shape[-1], v.shape[-1]
     k, v, a, b = (unit_last_stride(x) for x in (k, v, a, b))
+    (state_indices,) = dense(state_indices)
     BK, BV = block_sizes(K, V, block_v)
     if N == 0:
         return

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.ops.layout import dense
 from jetserve.ops.sampling.reference import check_sample_inputs
 
 BLOCK_V = 1024
@@ -233,6 +234,7 @@ def tempered_probs(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[tor
     Σ p [N] fp32, summed as the kernels see it)."""
     num_rows, vocab_size = logits.shape
     num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
+    (temperature,) = dense(temperature)
     part_max = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
     part_sum = torch.empty_like(part_max)  # [N, splits]
     part_mass = torch.empty_like(part_max)  # [N, splits]
@@ -277,6 +279,7 @@ def keep_threshold(
     top = probs.topk(num_candidates, dim=-1).values.contiguous()  # [N, C], largest first
     if row_mass is None:
         row_mass = probs.sum(dim=-1)  # [N]
+    row_mass, top_k, top_p, min_p = dense(row_mass, top_k, top_p, min_p)
     threshold = torch.empty(num_rows, 1, dtype=torch.float32, device=probs.device)  # [N, 1]
     if num_rows > 0:
         _threshold_kernel[(num_rows,)](
@@ -320,6 +323,7 @@ def sample(
     probs, row_mass = tempered_probs(logits, temperature)  # [N, V], [N]
     threshold = keep_threshold(probs, top_k, top_p, min_p, row_mass)  # [N, 1]
     num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
+    seeds, counters = dense(seeds, counters)
     best_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
     best_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)  # [N, splits]
     if num_rows > 0:

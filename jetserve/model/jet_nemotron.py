@@ -11,6 +11,7 @@ from jetserve.model.forward_batch import ForwardBatch
 from jetserve.model.jet_block import JetBlock
 from jetserve.model.layers import MLP, RMSNorm
 from jetserve.ops.attention import rope_cos_sin
+from jetserve.ops.linear import logits_linear
 
 # Parameters that stay fp32 whatever the model dtype (the official code upcasts them too).
 FP32_PARAMETERS = ("A_log", "dt_bias")
@@ -108,7 +109,7 @@ class JetNemotronForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` [N, hidden] → logits [N, vocab] in fp32."""
-        return nn.functional.linear(hidden, self.lm_head_weight).float()
+        return logits_linear(hidden, self.lm_head_weight)
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:

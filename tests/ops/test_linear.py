@@ -8,7 +8,7 @@ import torch
 
 from jetserve import envs
 from jetserve.ops import backend
-from jetserve.ops.linear import GEMV_MAX_ROWS
+from jetserve.ops.linear import GEMV_MAX_ROWS, logits_linear
 from jetserve.ops.linear import linear as dispatched_linear
 from jetserve.ops.linear import reference as ref
 
@@ -242,3 +242,32 @@ def test_linear_kernel_in_cuda_graph(kernels) -> None:
     torch.cuda.synchronize()
     assert not torch.equal(y, expected_y)
     assert torch.equal(y, kernels.linear(x, weight))  # deterministic: split K sums in a fixed order
+
+
+def test_logits_linear_is_fp32_product() -> None:
+    """On the CPU: the product in x.dtype, widened to fp32 (the reference)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(50, 24, generator=gen).to(torch.bfloat16)
+    logits = logits_linear(x, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 50)
+    assert torch.equal(logits, torch.nn.functional.linear(x, weight).float())
+    with pytest.raises(ValueError, match="weight must be"):
+        logits_linear(x, weight[:, :8])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logits_linear_on_cuda_keeps_the_fp32_accumulator() -> None:
+    """bf16 operands at the 2B lm_head shape: the logits equal the fp32 product of the same bf16 values to fp32
+    rounding, not to bf16 rounding (which ties many top logits of a flat distribution)."""
+    n, k = GPU_SHAPES["2b lm_head"]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(5, k, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+    logits = logits_linear(x, weight)
+    exact = x.double() @ weight.double().T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), exact, rtol=1e-4, atol=1e-4)
+    rounded = torch.nn.functional.linear(x, weight).float()
+    assert (logits - exact.float()).abs().max() < (rounded - exact.float()).abs().max() / 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from jetserve.ops.backend import use_triton
@@ -25,4 +27,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return reference.linear(x, weight, bias)
 
 
-__all__ = ["GEMV_MAX_ROWS", "linear"]
+def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, K] against the lm_head weight [V, K] → logits [N, V] fp32. On CUDA with fp16/bf16 operands cuBLAS writes
+    its fp32 accumulator directly (`torch.mm(..., out_dtype=float32)`): logits rounded to bf16 first tie at the top
+    of a large vocabulary often enough to flip greedy tokens between two kernels that round differently (verify and
+    decode), and they cost a second pass to widen. Elsewhere, and on a torch without that GEMM: `reference`."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and _has_fp32_out_gemm(x.device):
+        reference.check_linear(x, weight, None)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return reference.logits_linear(x, weight)
+
+
+@functools.cache
+def _has_fp32_out_gemm(device: torch.device) -> bool:
+    """Whether this torch runs a half-precision GEMM with an fp32 output on `device` (tried once, eagerly: the first
+    logits come from a warm-up step, never from inside a graph capture)."""
+    a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+    try:
+        out = torch.mm(a, torch.ones(4, 8, dtype=torch.bfloat16, device=device).t(), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return out.dtype == torch.float32 and bool((out == 8).all())
+
+
+__all__ = ["GEMV_MAX_ROWS", "linear", "logits_linear"]

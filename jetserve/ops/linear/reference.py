@@ -28,3 +28,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     check_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits: x [N, K] against the lm_head weight [V, K] → [N, V] fp32, here the product in x.dtype widened to fp32
+    (the variant on CUDA writes the GEMM's fp32 accumulator directly)."""
+    check_linear(x, weight, None)
+    return F.linear(x, weight).float()

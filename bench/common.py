@@ -36,6 +36,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
+from jetserve.ops.linear import linear, logits_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import sample  # noqa: E402
 
@@ -283,6 +284,32 @@ def rope_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Case:
     return lambda: apply_rope(q, k, positions, table), 2 * _nbytes(q, k) + _nbytes(positions, table), 0
 
 
+def rope_expanded_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Case:
+    """apply_rope with positions an expanded (stride-0) view, as a one-row draft tree level hands it over."""
+    q = _randn(n, s.heads, s.head_dim, dtype=dtype, device=device)
+    k = _randn(n, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+    table = rope_cos_sin(8, s.head_dim, 1e6).to(device)  # [8, Dh] fp32
+    positions = torch.tensor([5], device=device).expand(n)
+    return lambda: apply_rope(q, k, positions, table), 2 * _nbytes(q, k) + _nbytes(table), 0
+
+
+def linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int) -> Case:
+    """The decode-time GEMMs of one layer through `ops.linear` (Triton up to GEMV_MAX_ROWS rows), and the logits:
+    the weight read once, x read and y written."""
+    key_dim, value_dim = s.jet_heads * s.key_dim, s.channels
+    n, k = {
+        "jet in": (2 * key_dim + 2 * value_dim + 2 * s.jet_heads + s.generator, s.hidden),
+        "gate|up": (2 * s.mlp, s.hidden),
+        "down": (s.hidden, s.mlp),
+        "logits": (s.vocab, s.hidden),
+    }[kind]
+    x = _randn(m, k, dtype=dtype, device=device)
+    w = _randn(n, k, dtype=dtype, device=device, scale=k**-0.5)
+    fn = logits_linear if kind == "logits" else linear
+    out_bytes = m * n * (4 if kind == "logits" else dtype.itemsize)
+    return lambda: fn(x, w), _nbytes(x, w) + out_bytes, 2 * m * n * k
+
+
 def sample_case(s: Shapes, device: str, n: int) -> Case:
     """sample over the vocabulary with top-k 50 and top-p 0.9: the fp32 logits and row parameters read, tokens
     written."""
@@ -329,6 +356,10 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         for kind in ("rms_norm", "gated_rms_norm", "silu_and_mul"):
             cases[f"{kind} T={n}"] = lambda n=n, kind=kind: norm_cases(s, dtype, device, kind, n)
         cases[f"rope T={n}"] = lambda n=n: rope_case(s, dtype, device, n)
+        if small:
+            cases[f"rope expanded positions T={n}"] = lambda n=n: rope_expanded_case(s, dtype, device, n)
+        for kind in ("jet in", "gate|up", "down", "logits"):
+            cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: linear_case(s, dtype, device, kind, n)
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)

@@ -80,6 +80,7 @@ class BenchResult:
     spec_acceptance_per_depth: list[float] | None = None
     spec_draft_ms: float | None = None  # per verify step
     spec_verify_ms: float | None = None
+    spec_verify_share: float | None = None  # timed spec-run steps that verified (the rest decoded plainly)
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
@@ -358,6 +359,7 @@ def _bench_speculative(
         spec_acceptance_per_depth=[round(r, 4) for r in stats.acceptance_rate_per_depth],
         spec_draft_ms=round(1e3 * stats.draft_seconds / steps, 4),
         spec_verify_ms=round(1e3 * stats.verify_seconds / steps, 4),
+        spec_verify_share=round(run.verify_steps / max(len(run.decode_step_seconds), 1), 4),
     )
 
 
@@ -367,6 +369,7 @@ class RunResult:
     decode_step_seconds: list[float]  # each step that decoded the full batch
     decode_tokens: int  # tokens those steps produced
     outputs: list[list[int]]  # each request's output tokens, in prompt order
+    verify_steps: int = 0  # of those steps, the ones that verified draft trees
 
 
 def _run(
@@ -377,17 +380,19 @@ def _run(
         engine.add_request(f"{label}-{i}", prompt, params)
     total_steps = _estimate_steps(engine, prompts, params)
     decode_steps: list[float] = []
-    decode_tokens = 0
+    decode_tokens = verify_steps = 0
     outputs: dict[str, list[int]] = {}
     step = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         is_full_decode = full_batch > 0 and _is_full_decode(engine, full_batch)
+        verified_before = engine.num_verify_steps
         t0 = time.perf_counter()
         outs = engine.step()
         if is_full_decode:
             decode_steps.append(time.perf_counter() - t0)
             decode_tokens += sum(len(o.new_token_ids) for o in outs)
+            verify_steps += engine.num_verify_steps - verified_before
         for out in outs:
             if out.finished:
                 outputs[out.request_id] = out.output_token_ids
@@ -395,7 +400,8 @@ def _run(
         _progress(label, step, total_steps)
     seconds = time.perf_counter() - start
     print(file=sys.stderr)
-    return RunResult(seconds, decode_steps, decode_tokens, [outputs[f"{label}-{i}"] for i in range(len(prompts))])
+    ordered = [outputs[f"{label}-{i}"] for i in range(len(prompts))]
+    return RunResult(seconds, decode_steps, decode_tokens, ordered, verify_steps)
 
 
 def _is_full_decode(engine: LLMEngine, batch_size: int) -> bool:
@@ -424,12 +430,12 @@ def print_table(results: list[BenchResult]) -> None:
               f"{r.tpot_roofline_ms:>11.3f} {peak:>9}")  # fmt: skip
     if results and results[0].spec_decode_tok_s is not None:
         print(f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'tau':>6} {'draft ms':>9} "
-              f"{'verify ms':>10}  acceptance per depth")  # fmt: skip
+              f"{'verify ms':>10} {'verify steps':>12}  acceptance per depth")  # fmt: skip
         for r in results:
             depths = " ".join(f"{a:.2f}" for a in r.spec_acceptance_per_depth or [])
             print(f"{r.batch_size:>6} {r.plain_decode_tok_s:>12.1f} {r.spec_decode_tok_s:>11.1f} "
-                  f"{r.spec_speedup:>8.2f}x {r.spec_tau:>6.2f} {r.spec_draft_ms:>9.3f} {r.spec_verify_ms:>10.3f}  "
-                  f"{depths}")  # fmt: skip
+                  f"{r.spec_speedup:>8.2f}x {r.spec_tau:>6.2f} {r.spec_draft_ms:>9.3f} {r.spec_verify_ms:>10.3f} "
+                  f"{r.spec_verify_share:>12.0%}  {depths}")  # fmt: skip
     if results:
         r = results[0]
         print(f"copy bandwidth {r.copy_bandwidth_gb_s:.0f} GB/s, GEMM {r.gemm_tflops:.0f} TFLOP/s (measured here)")

@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from jetserve.distributed.group import TensorParallelGroup
+from jetserve.ops.linear import linear
 
 
 class RowParallelLinear(nn.Module):
@@ -21,7 +22,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(F.linear(x, self.weight))  # [T, out], summed over the ranks
+        return self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}"

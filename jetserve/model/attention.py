@@ -8,6 +8,7 @@ from torch import nn
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.fusion import InputProjections
+from jetserve.model.layers import Linear
 from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, kv_cache_commit
 
 
@@ -25,7 +26,7 @@ class Attention(InputProjections, nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.cos_sin: torch.Tensor | None = None  # [max_pos, Dh] fp32, one table shared by all layers (set_rope)
         self.k_cache: torch.Tensor | None = None  # [num_pages, page_size, HK, Dh]
         self.v_cache: torch.Tensor | None = None

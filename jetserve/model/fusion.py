@@ -10,7 +10,8 @@ from typing import TypeVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from jetserve.ops.linear import linear
 
 logger = logging.getLogger(__name__)
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -49,10 +50,10 @@ class InputProjections:
             logger.warning("%s: parameters replaced after fuse_projections; unfused until it runs again", _name(self))
             self.fused_input = fused = None  # drop the stale copy: its storage is no longer the parameters'
         if fused is not None and not (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
-            return F.linear(x, fused.weight, fused.bias)
+            return linear(x, fused.weight, fused.bias)
         weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
         bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
 
     def fuse_input_projections(self) -> None:
         """Concatenate the group's weights (and biases) into one tensor and re-point each Linear's parameters at its

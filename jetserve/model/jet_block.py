@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections
+from jetserve.model.layers import Linear
 from jetserve.ops.dynamic_conv import (
     dynamic_conv_commit,
     dynamic_conv_decode,
@@ -58,7 +59,7 @@ class JetBlock(InputProjections, nn.Module):
         self.a_proj = nn.Linear(hidden, self.num_heads, bias=False)
         self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
         self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
-        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.o_proj = Linear(self.value_dim, hidden, bias=False)
         # Kept in fp32 whatever the model dtype (the loader and `cast_model` honour `FP32_PARAMETERS`).
         self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))

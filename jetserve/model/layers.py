@@ -6,7 +6,16 @@ import torch
 from torch import nn
 
 from jetserve.model.fusion import InputProjections
+from jetserve.ops.linear import linear
 from jetserve.ops.norm import rms_norm, silu_and_mul
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `ops.linear` (the Triton skinny GEMM for decode-sized inputs, cuBLAS otherwise); same
+    parameters and state_dict names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +38,7 @@ class MLP(InputProjections, nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         return self.gate_proj, self.up_proj

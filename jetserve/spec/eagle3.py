@@ -18,7 +18,7 @@ from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections, fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
-from jetserve.model.layers import MLP, RMSNorm
+from jetserve.model.layers import MLP, Linear, RMSNorm
 from jetserve.model.loader import DTYPES
 from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, rope_cos_sin
 
@@ -157,7 +157,7 @@ class Eagle3Attention(InputProjections, nn.Module):
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.cos_sin: torch.Tensor | None = None  # [max_pos, Dh] fp32
         self.k_cache: torch.Tensor | None = None  # [num_pages, page_size, HK, Dh]
         self.v_cache: torch.Tensor | None = None
@@ -227,7 +227,7 @@ class Eagle3DraftModel(nn.Module):
         self._feature_index = [self.capture_layers.index(i) for i in feature_layers]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if has_own_embedding else None
         self._shared_embedding: tuple[nn.Embedding, ...] = ()  # the target's, kept out of this module's parameters
-        self.fc = nn.Linear(NUM_FEATURES * config.target_hidden_size, config.hidden_size, bias=False)
+        self.fc = Linear(NUM_FEATURES * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)

@@ -178,11 +178,32 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         dispatched_linear(randn(2, 8, dtype=torch.float64), weight.double())  # no Triton variant for float64
         assert calls == ([(1, 8), (GEMV_MAX_ROWS, 8)] if interpreted or DEVICE == "cuda" else [])
         calls.clear()
+        trainable = weight.clone().requires_grad_(True)
+        dispatched_linear(randn(1, 8), trainable).sum().backward()  # autograd needs the product: F.linear
+        assert calls == [] and trainable.grad is not None
+        with torch.no_grad():
+            dispatched_linear(randn(1, 8), trainable)
+        assert calls == ([(1, 8)] if interpreted or DEVICE == "cuda" else [])
+        calls.clear()
         backend.set_backend("reference")
         dispatched_linear(randn(1, 8), weight)
         assert calls == []
     finally:
         backend.set_backend(None)
+
+
+def test_model_projections_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder's GEMMs (the fused input projections, o_proj, down_proj) run `ops.linear`."""
+    from jetserve.model import fusion, layers
+
+    seen = []
+    monkeypatch.setattr(layers, "linear", lambda x, w, b=None: seen.append(("layer", w.shape)) or ref.linear(x, w, b))
+    monkeypatch.setattr(fusion, "linear", lambda x, w, b=None: seen.append(("fused", w.shape)) or ref.linear(x, w, b))
+    mlp = layers.MLP(8, 12)
+    fusion.fuse_projections(mlp)
+    with torch.no_grad():
+        mlp(randn(3, 8))
+    assert seen == [("fused", (24, 8)), ("layer", (8, 12))]
 
 
 # --- GPU: the real decode shapes in bf16 (tests/ops/test_*_gpu.py style) ---

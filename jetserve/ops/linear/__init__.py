@@ -16,11 +16,12 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype. See `reference.linear`.
 
-    Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims) and the dtype is
-    fp16/bf16/fp32; else `F.linear`.
+    Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
+    fp16/bf16/fp32 and autograd does not need the product; else `F.linear`.
     """
     num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
-    if use_triton(x) and 1 <= num_rows <= GEMV_MAX_ROWS and x.dtype in _TRITON_DTYPES:
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernel has no backward
+    if use_triton(x) and not needs_grad and 1 <= num_rows <= GEMV_MAX_ROWS and x.dtype in _TRITON_DTYPES:
         from jetserve.ops.linear import kernels
 
         return kernels.linear(x, weight, bias)

@@ -14,24 +14,7 @@ import time
 
 import torch
 from common import SHAPES, all_cases
-
-
-def _time_ms(fn, device: str) -> float:
-    """Median milliseconds per call: CUDA-graph replay where the op captures, else events around each call."""
-    if device != "cuda":
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception:  # an op that syncs or allocates on the host cannot be captured: time it launch by launch
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+from timing import time_ms, warm_clocks
 
 
 def measure_ceilings(device: str) -> tuple[float, float]:
@@ -42,15 +25,9 @@ def measure_ceilings(device: str) -> tuple[float, float]:
     m = 8192 if device == "cuda" else 256
     a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    if device == "cuda":  # a second of work first: an idle GPU's clocks gave 2.7 instead of 4.2 TB/s (H200)
-        start = time.perf_counter()
-        while time.perf_counter() - start < 1.0:
-            for _ in range(20):
-                dst.copy_(src)
-                a @ b
-            torch.cuda.synchronize()
-    t_copy = _time_ms(lambda: dst.copy_(src), device) / 1e3
-    t_gemm = _time_ms(lambda: a @ b, device) / 1e3
+    warm_clocks(device, lambda: dst.copy_(src), lambda: a @ b)
+    t_copy = time_ms(lambda: dst.copy_(src), device) / 1e3
+    t_gemm = time_ms(lambda: a @ b, device) / 1e3
     return 2 * n / t_copy, 2 * m**3 / t_gemm
 
 
@@ -76,7 +53,7 @@ def main() -> None:
             if args.only not in case_name:
                 continue
             fn, nbytes, flops = build()
-            ms = _time_ms(fn, device)
+            ms = time_ms(fn, device)
             bw, rate = nbytes / (ms / 1e3), flops / (ms / 1e3)
             row = {
                 "model": model, "kernel": case_name, "time_us": ms * 1e3, "bytes": nbytes, "flops": flops,

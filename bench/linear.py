@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from timing import time_ms, warm_clocks  # noqa: E402
 
 Projection = tuple[str, int, int, bool]  # (name, N, K, has_bias)
 L2_MULTIPLE = 4  # a timed call streams at least this many times the L2 size of weights
@@ -55,20 +56,6 @@ def projections(preset: str) -> list[Projection]:
     return rows
 
 
-def _time_ms(fn: Callable[[], object], device: str) -> float:
-    """Median milliseconds per call of `fn`: CUDA-graph replay on the GPU, one timed call after a warm-up elsewhere."""
-    if device != "cuda":
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-
-
 def _time_calls(
     op: Callable[..., torch.Tensor],
     x: torch.Tensor,
@@ -77,7 +64,7 @@ def _time_calls(
     device: str,
 ) -> float:
     """Median milliseconds of one `op(x, weight, bias)`, timed over calls that walk through every copy of the weight."""
-    return _time_ms(lambda: [op(x, w, bias) for w in weights], device) / len(weights)
+    return time_ms(lambda: [op(x, w, bias) for w in weights], device) / len(weights)
 
 
 def ceilings(device: str) -> tuple[float, float]:
@@ -86,16 +73,10 @@ def ceilings(device: str) -> tuple[float, float]:
     n = (1 << 30) if device == "cuda" else (1 << 22)
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
-    if device == "cuda":  # an idle GPU's clocks gave 2.7 instead of 4.2 TB/s (H200; bench/kernels.py)
-        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-        start = time.perf_counter()
-        while time.perf_counter() - start < 1.0:
-            for _ in range(20):
-                dst.copy_(src)
-                a @ a
-            torch.cuda.synchronize()
-    copy_bw = 2 * n / (_time_ms(lambda: dst.copy_(src), device) / 1e3)
-    read_bw = n / (_time_ms(lambda: src.sum(), device) / 1e3)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if device == "cuda" else None
+    warm_clocks(device, lambda: dst.copy_(src), lambda: a @ a)
+    copy_bw = 2 * n / (time_ms(lambda: dst.copy_(src), device) / 1e3)
+    read_bw = n / (time_ms(lambda: src.sum(), device) / 1e3)
     return copy_bw, read_bw
 
 

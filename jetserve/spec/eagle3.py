@@ -15,12 +15,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from jetserve.config import ModelConfig
+from jetserve.model.attention import rotated_qkv
 from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections, fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.model.layers import MLP, Linear, RMSNorm
 from jetserve.model.loader import DTYPES
-from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, rope_cos_sin
+from jetserve.ops.attention import attention_decode, attention_prefill, attention_verify, rope_cos_sin
 
 # Where a checkpoint's config lists the target layers it was trained on (SpecForge and SGLang read both places).
 AUX_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -169,13 +170,7 @@ class Eagle3Attention(InputProjections, nn.Module):
         """x [T, 2H] → [T, H]; K/V of the new tokens are stored at `fb.kv.slot_mapping`."""
         assert self.k_cache is not None and self.cos_sin is not None, "draft: bind_cache and init_rope first"
         assert fb.kv is not None, "draft: the ForwardBatch carries no K/V metadata for the draft's cache"
-        T, H, HK, Dh = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.project(x)  # [T, (H + 2 HK) Dh]: q, k, v side by side
-        q, k, v = qkv.split([H * Dh, HK * Dh, HK * Dh], dim=-1)  # views, rows strided: the ops take them as they are
-        q = q.view(T, H, Dh)  # [T, H, Dh]
-        k = k.view(T, HK, Dh)  # [T, HK, Dh]
-        v = v.view(T, HK, Dh)  # [T, HK, Dh]
-        q, k = apply_rope(q, k, fb.positions, self.cos_sin)
+        q, k, v = rotated_qkv(self, x, fb.positions, self.cos_sin)
         caches, meta = (self.k_cache, self.v_cache), fb.kv
         if fb.phase is Phase.PREFILL:
             o = attention_prefill(
@@ -191,7 +186,7 @@ class Eagle3Attention(InputProjections, nn.Module):
                 q, k, v, *caches, fb.tree_mask, fb.context_lens, meta.block_tables, meta.slot_mapping,
                 scale=self.scale,
             )  # fmt: skip
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))  # [T, H]
 
 
 class Eagle3DecoderLayer(nn.Module):

@@ -1,0 +1,39 @@
+"""Timing shared by the benchmark scripts (no jetserve import, so a script may set TRITON_INTERPRET first)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], device: str) -> float:
+    """Median milliseconds per call: CUDA-graph replay where the op captures, else events around each call; off the
+    GPU one timed call after a warm-up."""
+    if device != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception:  # an op that syncs or allocates on the host cannot be captured: time it launch by launch
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def warm_clocks(device: str, *work: Callable[[], object]) -> None:
+    """A second of `work` on the GPU before measuring: an idle GPU's clocks gave 2.7 instead of 4.2 TB/s (H200)."""
+    if device != "cuda":
+        return
+    start = time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        for _ in range(20):
+            for fn in work:
+                fn()
+        torch.cuda.synchronize()

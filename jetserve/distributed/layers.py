@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from jetserve.distributed.group import TensorParallelGroup
-from jetserve.ops.linear import linear
+from jetserve.ops.linear import linear, swiglu_linear
 
 
 class RowParallelLinear(nn.Module):
@@ -23,6 +23,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
+
+    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`self(silu(gate) * up)` for this rank's [gate | up] channels, the activation fused into the GEMM."""
+        return self.group.all_reduce(swiglu_linear(gate_up, self.weight))  # [T, out]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}"

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from jetserve.model.fusion import InputProjections
-from jetserve.ops.linear import linear
-from jetserve.ops.norm import rms_norm, silu_and_mul
+from jetserve.ops.linear import linear, swiglu_linear
+from jetserve.ops.norm import rms_norm
 
 
 class Linear(nn.Linear):
@@ -16,6 +16,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`self(silu(gate) * up)` for gate_up [T, 2 in] = [gate | up], the activation fused into the GEMM."""
+        assert self.bias is None, "the fused SwiGLU GEMM has no bias"
+        return swiglu_linear(gate_up, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -45,4 +50,4 @@ class MLP(InputProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.project(x)  # [T, 2I]
-        return self.down_proj(silu_and_mul(gate_up))  # [T, hidden]
+        return self.down_proj.forward_swiglu(gate_up)  # [T, hidden]: down(silu(gate) * up)

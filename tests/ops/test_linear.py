@@ -111,6 +111,44 @@ def test_linear_kernel_every_path(
     assert_matches(kernels.linear(x, weight, bias, tiling=tiling), x, weight, bias)
 
 
+def swiglu_input(gate_up: torch.Tensor) -> torch.Tensor:
+    """The GEMM input the SwiGLU mode forms: silu(gate) * up in fp32, rounded to gate_up's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def test_swiglu_reference_is_silu_and_mul_then_linear() -> None:
+    from jetserve.ops.norm.reference import silu_and_mul
+
+    gate_up, weight = randn(3, 2 * 17, seed=50), randn(5, 17, seed=51)
+    assert torch.equal(ref.swiglu_linear(gate_up, weight), ref.linear(silu_and_mul(gate_up), weight))
+    with pytest.raises(ValueError, match="weight must be"):
+        ref.swiglu_linear(gate_up, randn(5, 16))
+    with pytest.raises(ValueError, match="even"):
+        ref.swiglu_linear(randn(3, 33), randn(5, 16))
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize(
+    "num_rows, n, k, tiling",
+    [
+        (1, 37, 200, None),  # the heuristic's pick
+        (3, 12, 17, None),
+        (1, 37, 200, (1, 16, 32, 3, False)),  # FMA, split K, ragged K
+        (5, 37, 200, (16, 16, 32, 1, True)),  # tensor-core tile, one split, ragged K
+        (16, 300, 64, (16, 32, 16, 2, True)),  # tensor-core tile, split K, K a multiple of the tile
+    ],
+)
+def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, dtype, num_rows, n, k, tiling) -> None:
+    """The SwiGLU mode reads [gate | up] (here a column slice of a wider tensor) and multiplies silu(gate) * up,
+    rounded as silu_and_mul rounds it, by the weight."""
+    wide = randn(num_rows, 2 * k + 3, dtype=dtype, seed=52).to(DEVICE)
+    gate_up = wide[:, 1 : 2 * k + 1]  # [M, 2K], row stride 2K + 3
+    weight = randn(n, k, dtype=dtype, seed=53, scale=k**-0.5).to(DEVICE)
+    t = kernels.GemvTiling(*tiling) if tiling else None
+    assert_matches(kernels.swiglu_linear(gate_up, weight, tiling=t), swiglu_input(gate_up), weight, None)
+
+
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 def test_linear_kernel_strided_rows(kernels, dtype: torch.dtype) -> None:
     """x a column slice of a wider tensor (row stride > K, unit stride along K), e.g. one part of a fused output."""
@@ -193,17 +231,24 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_model_projections_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decoder's GEMMs (the fused input projections, o_proj, down_proj) run `ops.linear`."""
+    """The decoder's GEMMs run `ops.linear`: the fused input projections, o_proj (`layers.Linear`), and down_proj
+    with the SwiGLU activation fused in."""
     from jetserve.model import fusion, layers
 
     seen = []
     monkeypatch.setattr(layers, "linear", lambda x, w, b=None: seen.append(("layer", w.shape)) or ref.linear(x, w, b))
+    monkeypatch.setattr(
+        layers, "swiglu_linear", lambda x, w: seen.append(("swiglu", w.shape)) or ref.swiglu_linear(x, w)
+    )
     monkeypatch.setattr(fusion, "linear", lambda x, w, b=None: seen.append(("fused", w.shape)) or ref.linear(x, w, b))
     mlp = layers.MLP(8, 12)
     fusion.fuse_projections(mlp)
     with torch.no_grad():
         mlp(randn(3, 8))
-    assert seen == [("fused", (24, 8)), ("layer", (8, 12))]
+    assert seen == [("fused", (24, 8)), ("swiglu", (8, 12))]
+    with torch.no_grad():
+        layers.Linear(8, 4, bias=True)(randn(2, 8))  # o_proj's class
+    assert seen[-1] == ("layer", (4, 8))
 
 
 # --- GPU: the real decode shapes in bf16 (tests/ops/test_*_gpu.py style) ---
@@ -292,3 +337,16 @@ def test_logits_linear_on_cuda_keeps_the_fp32_accumulator() -> None:
     torch.testing.assert_close(logits.double(), exact, rtol=1e-4, atol=1e-4)
     rounded = torch.nn.functional.linear(x, weight).float()
     assert (logits - exact.float()).abs().max() < (rounded - exact.float()).abs().max() / 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["2b mlp down", "4b mlp down"])
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
+def test_swiglu_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -> None:
+    n, k = GPU_SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(num_rows)
+    gate_up = torch.randn(num_rows, 2 * k, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+    actual = kernels.swiglu_linear(gate_up, weight)
+    assert_matches(actual, swiglu_input(gate_up), weight, None)

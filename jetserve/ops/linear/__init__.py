@@ -8,6 +8,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.linear import reference
+from jetserve.ops.norm import silu_and_mul
 
 GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs; past it, F.linear (cuBLAS)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -19,13 +20,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
     fp16/bf16/fp32 and autograd does not need the product; else `F.linear`.
     """
-    num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernel has no backward
-    if use_triton(x) and not needs_grad and 1 <= num_rows <= GEMV_MAX_ROWS and x.dtype in _TRITON_DTYPES:
+    if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
         return kernels.linear(x, weight, bias)
     return reference.linear(x, weight, bias)
+
+
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, 2K] = [gate | up] → `silu(gate) * up` times weight [N, K]ᵀ, [M, N] in x.dtype: one Triton launch under
+    the same conditions as `linear`, else `silu_and_mul` then `F.linear`. See `reference.swiglu_linear`."""
+    if _takes_triton(x, weight):
+        from jetserve.ops.linear import kernels
+
+        return kernels.swiglu_linear(x, weight)
+    return linear(silu_and_mul(x), weight)
+
+
+def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton kernel's conditions: the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS rows (M = the product of x's
+    leading dims), a dtype it takes, and no autograd (the kernel has no backward)."""
+    num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return use_triton(x) and not needs_grad and 1 <= num_rows <= GEMV_MAX_ROWS and x.dtype in _TRITON_DTYPES
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -51,4 +68,4 @@ def _has_fp32_out_gemm(device: torch.device) -> bool:
     return out.dtype == torch.float32 and bool((out == 8).all())
 
 
-__all__ = ["GEMV_MAX_ROWS", "linear", "logits_linear"]
+__all__ = ["GEMV_MAX_ROWS", "linear", "logits_linear", "swiglu_linear"]

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.linear.reference import check_linear
+from jetserve.ops.linear.reference import check_linear, check_swiglu_linear
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -51,6 +51,7 @@ def _linear_kernel(
     stride_wn,
     tiles_per_split,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -81,12 +82,21 @@ def _linear_kernel(
             b_w = tl.load(p_w)
             if EVEN_M:
                 b_x = tl.load(p_x)
+                if GATED:
+                    b_up = tl.load(p_x + K)
             else:
                 b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
+                if GATED:
+                    b_up = tl.load(p_x + K, mask=m_m[:, None], other=0.0)
         else:
             m_k = (o_k + i * BLOCK_K) < K
             b_w = tl.load(p_w, mask=m_k[None, :], other=0.0)
             b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            if GATED:
+                b_up = tl.load(p_x + K, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if GATED:  # silu_and_mul's math and rounding: fp32, one rounding to x's dtype (0 where masked)
+            b_gate = b_x.to(tl.float32)
+            b_x = (b_gate * tl.sigmoid(b_gate) * b_up.to(tl.float32)).to(x.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
         else:
@@ -169,10 +179,24 @@ def linear(
     `tiling` overrides the heuristic (`choose_tiling`), for tests and tuning.
     """
     check_linear(x, weight, bias)
-    lead, k = x.shape[:-1], x.shape[-1]
+    return _linear(x, weight, bias, tiling, gated=False)
+
+
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None) -> torch.Tensor:
+    """`silu(x[:, :K]) * x[:, K:]` (rounded to x.dtype, as `silu_and_mul`) times weightᵀ in one launch: the MLP's
+    activation and down projection, without the [M, K] activation written and read back. x [M, 2K] (any leading
+    dims), weight [N, K] → [M, N] in x.dtype; see `reference.swiglu_linear`."""
+    check_swiglu_linear(x, weight)
+    return _linear(x, weight, None, tiling, gated=True)
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiling: GemvTiling | None, gated: bool
+) -> torch.Tensor:
+    lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
     num_rows = math.prod(lead)
-    x2 = x.reshape(num_rows, k)  # [M, K], a view where x's layout allows
+    x2 = x.reshape(num_rows, x.shape[-1])  # [M, K] ([M, 2K] gated), a view where x's layout allows
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
@@ -185,15 +209,20 @@ def linear(
         return y.view(*lead, n)
     for start in range(0, num_rows, MAX_BLOCK_M):
         rows = min(MAX_BLOCK_M, num_rows - start)
-        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling)
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated)
     return y.view(*lead, n)
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, tiling: GemvTiling | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    tiling: GemvTiling | None,
+    gated: bool,
 ) -> None:
-    num_rows, k = x.shape
-    n = weight.shape[0]
+    num_rows = x.shape[0]
+    n, k = weight.shape
     t = tiling or choose_tiling(num_rows, n, k, sm_count(x.device))
     if t.block_m < num_rows:
         raise ValueError(f"tiling: block_m {t.block_m} holds fewer than the {num_rows} rows of x")
@@ -215,6 +244,7 @@ def _launch(
         weight.stride(0),
         tiles_per_split,
         HAS_BIAS=bias is not None,
+        GATED=gated,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,

@@ -20,6 +20,16 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         )
 
 
+def check_swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError unless x [..., 2K] ([gate | up]) and weight [N, K] fit together and share x's dtype."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x must end in an even [gate | up] dimension, got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or 2 * weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must be [N, K] with 2K = {x.shape[-1]}, got shape {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`: x [M, K] (any leading dims), weight [N, K] (nn.Linear layout), bias [N] or None → y [M, N], x.dtype.
 
@@ -28,6 +38,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     check_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation then its down projection: `silu(gate) * up` of x [..., 2K] = [gate | up] in fp32, rounded
+    to x.dtype (as `ops.norm.silu_and_mul`), times weight [N, K]ᵀ → [..., N] in x.dtype."""
+    check_swiglu_linear(x, weight)
+    gate, up = x.float().chunk(2, dim=-1)  # [..., K] each
+    return F.linear((F.silu(gate) * up).to(x.dtype), weight)
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -42,18 +42,18 @@ class InputProjections:
     def input_projections(self) -> tuple[nn.Linear, ...]:
         raise NotImplementedError
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] → [T, Σ out]."""
+    def project(self, x: torch.Tensor, silu_cols: int = 0) -> torch.Tensor:
+        """x [T, in] → [T, Σ out], SiLU applied to output columns [0, silu_cols) inside the GEMM's epilogue."""
         linears = self.input_projections()
         fused = self.fused_input
         if fused is not None and not fused.is_current(linears):
             logger.warning("%s: parameters replaced after fuse_projections; unfused until it runs again", _name(self))
             self.fused_input = fused = None  # drop the stale copy: its storage is no longer the parameters'
         if fused is not None and not (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
-            return linear(x, fused.weight, fused.bias)
+            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols)
         weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
         bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
-        return linear(x, weight, bias)
+        return linear(x, weight, bias, silu_cols=silu_cols)
 
     def fuse_input_projections(self) -> None:
         """Concatenate the group's weights (and biases) into one tensor and re-point each Linear's parameters at its

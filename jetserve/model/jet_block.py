@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
@@ -85,10 +84,10 @@ class JetBlock(InputProjections, nn.Module):
         T, H, K, V = x.shape[0], self.num_heads, self.head_k_dim, self.head_v_dim
         generator = self.dynamic_conv1d.kernel_generator
         D_k, D_v, D_g = self.key_dim, self.value_dim, generator.w1.out_features
-        projected = self.project(x)  # [T, 2 D_k + D_g + 2 D_v + 2 H], input_projections' order
+        # [T, 2 D_k + D_g + 2 D_v + 2 H] in input_projections' order, SiLU already on q, k and the generator's h
+        projected = self.project(x, silu_cols=2 * D_k + D_g)
         # Views, rows strided: the ops take them as they are.
-        activated, u, a, b, gate = projected.split([2 * D_k + D_g, D_v, H, H, D_v], dim=-1)
-        q, k, h = F.silu(activated).split([D_k, D_k, D_g], dim=-1)  # [T, D_k] x2, [T, D_g]
+        q, k, h, u, a, b, gate = projected.split([D_k, D_k, D_g, D_v, H, H, D_v], dim=-1)  # [T, D_k] x2, [T, D_g]
         q = q.view(T, H, K)  # [T, H, K]
         k = k.view(T, H, K)  # [T, H, K]
         # u [T, D_v] is raw: what the conv convolves and its window stores; a, b [T, H]; gate [T, D_v]

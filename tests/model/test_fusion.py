@@ -112,6 +112,23 @@ def test_fused_equals_unfused_in_every_phase(tiny_checkpoint, backend):
     assert_same_logits(run_phases(fused), run_phases(unfused))
 
 
+def test_triton_model_equals_reference_model(tiny_checkpoint):
+    """The fused model on the Triton kernels (skinny GEMMs with the JetBlock's SiLU in their epilogue and the MLP's
+    SwiGLU in the down projection's prologue, and every other op) against the reference ops, in every phase."""
+    if not envs.triton_interpret():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    model = load_model(tiny_checkpoint, dtype="float32")
+    try:
+        set_backend("reference")
+        want = run_phases(model)
+        set_backend("triton")
+        got = run_phases(model)
+    finally:
+        set_backend(None)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+
+
 def test_fusing_twice_changes_nothing(tiny_checkpoint):
     model = load_model(tiny_checkpoint, dtype="float32")
     before = [m.fused_input for m in groups(model)]

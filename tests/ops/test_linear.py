@@ -111,6 +111,48 @@ def test_linear_kernel_every_path(
     assert_matches(kernels.linear(x, weight, bias, tiling=tiling), x, weight, bias)
 
 
+def with_silu(y: torch.Tensor, silu_cols: int) -> torch.Tensor:
+    """y [M, N] (float64) with SiLU on columns [0, silu_cols)."""
+    y = y.clone()
+    y[:, :silu_cols] = torch.nn.functional.silu(y[:, :silu_cols])
+    return y
+
+
+def test_reference_silu_cols() -> None:
+    x, weight, bias = randn(3, 17, seed=1), randn(5, 17, seed=2), randn(5, seed=3)
+    y = ref.linear(x, weight, bias, silu_cols=2)
+    plain = ref.linear(x, weight, bias)
+    torch.testing.assert_close(y[:, :2], torch.nn.functional.silu(plain[:, :2]))
+    assert torch.equal(y[:, 2:], plain[:, 2:])
+    with pytest.raises(ValueError, match="silu_cols"):
+        ref.linear(x, weight, silu_cols=6)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize(
+    "num_rows, n, k, silu_cols, tiling",
+    [
+        (1, 37, 200, 20, None),
+        (3, 300, 64, 300, None),  # every column
+        (1, 37, 200, 5, (1, 16, 32, 3, False)),  # FMA, split K: the SiLU runs in the split sum
+        (16, 300, 200, 129, (16, 32, 16, 5, True)),  # tensor cores, split K
+        (5, 37, 200, 17, (16, 16, 32, 1, True)),  # tensor cores, one split: the SiLU in the GEMM's epilogue
+    ],
+)
+def test_linear_kernel_silu_cols(kernels, dtype, num_rows, n, k, silu_cols, tiling) -> None:
+    """SiLU on the first `silu_cols` output columns (after the bias), the rest untouched."""
+    x = randn(num_rows, k, dtype=dtype, seed=60).to(DEVICE)
+    weight = randn(n, k, dtype=dtype, seed=61, scale=k**-0.5).to(DEVICE)
+    bias = randn(n, dtype=dtype, seed=62).to(DEVICE)
+    t = kernels.GemvTiling(*tiling) if tiling else None
+    actual = kernels.linear(x, weight, bias, silu_cols=silu_cols, tiling=t)
+    exact = with_silu(expected(x, weight, bias), silu_cols)
+    assert actual.dtype == dtype and torch.isfinite(actual).all()
+    scale = exact.pow(2).mean().sqrt().item()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double() / scale, exact / scale, rtol=tol, atol=tol)
+
+
 def swiglu_input(gate_up: torch.Tensor) -> torch.Tensor:
     """The GEMM input the SwiGLU mode forms: silu(gate) * up in fp32, rounded to gate_up's dtype."""
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -204,7 +246,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     from jetserve.ops.linear import kernels as module
 
     calls = []
-    monkeypatch.setattr(module, "linear", lambda x, w, b=None: calls.append(x.shape) or ref.linear(x, w, b))
+    monkeypatch.setattr(module, "linear", lambda x, w, b=None, **kw: calls.append(x.shape) or ref.linear(x, w, b, **kw))
     monkeypatch.setattr(backend, "_forced", None)
     weight = randn(6, 8, seed=60)
     backend.set_backend("triton")
@@ -240,7 +282,9 @@ def test_model_projections_go_through_the_op(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(
         layers, "swiglu_linear", lambda x, w: seen.append(("swiglu", w.shape)) or ref.swiglu_linear(x, w)
     )
-    monkeypatch.setattr(fusion, "linear", lambda x, w, b=None: seen.append(("fused", w.shape)) or ref.linear(x, w, b))
+    monkeypatch.setattr(
+        fusion, "linear", lambda x, w, b=None, **kw: seen.append(("fused", w.shape)) or ref.linear(x, w, b, **kw)
+    )
     mlp = layers.MLP(8, 12)
     fusion.fuse_projections(mlp)
     with torch.no_grad():

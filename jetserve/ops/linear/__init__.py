@@ -14,8 +14,11 @@ GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs; past it, F.l
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype. See `reference.linear`.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
+) -> torch.Tensor:
+    """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype, SiLU on output columns
+    [0, silu_cols). See `reference.linear`.
 
     Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
     fp16/bf16/fp32 and autograd does not need the product; else `F.linear`.
@@ -23,8 +26,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.linear(x, weight, bias)
-    return reference.linear(x, weight, bias)
+        return kernels.linear(x, weight, bias, silu_cols=silu_cols)
+    return reference.linear(x, weight, bias, silu_cols=silu_cols)
 
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,9 @@ def _linear_kernel(
     stride_xm,
     stride_wn,
     tiles_per_split,
+    silu_cols,
     HAS_BIAS: tl.constexpr,
+    HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -114,11 +116,24 @@ def _linear_kernel(
     else:
         if HAS_BIAS:
             b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_SILU:
+            b_y = tl.where(o_n[None, :] < silu_cols, b_y * tl.sigmoid(b_y), b_y)
         tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
-def _split_sum_kernel(partial, bias, y, M, N, num_splits, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_sum_kernel(
+    partial,
+    bias,
+    y,
+    M,
+    N,
+    num_splits,
+    silu_cols,
+    HAS_BIAS: tl.constexpr,
+    HAS_SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     i_m, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -127,6 +142,8 @@ def _split_sum_kernel(partial, bias, y, M, N, num_splits, HAS_BIAS: tl.constexpr
         b_y += tl.load(partial + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)
     if HAS_BIAS:
         b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
+    if HAS_SILU:
+        b_y = tl.where(o_n < silu_cols, b_y * tl.sigmoid(b_y), b_y)
     tl.store(y + i_m * N + o_n, b_y.to(y.dtype.element_ty), mask=m_n)
 
 
@@ -170,16 +187,22 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tiling: GemvTiling | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_cols: int = 0,
+    tiling: GemvTiling | None = None,
 ) -> torch.Tensor:
     """`y = x @ weightᵀ + bias`, fp32 accumulation, one rounding to x.dtype; see `reference.linear`.
 
     x [M, K] (any leading dims; rows may be strided, K must have unit stride or x is copied), weight [N, K], bias [N] or
-    None → y [M, N] in x.dtype. Meant for few rows (decode); more than MAX_BLOCK_M rows run as several launches.
-    `tiling` overrides the heuristic (`choose_tiling`), for tests and tuning.
+    None → y [M, N] in x.dtype. `silu_cols` > 0 applies SiLU to output columns [0, silu_cols) before the rounding.
+    Meant for few rows (decode); more than MAX_BLOCK_M rows run as several launches. `tiling` overrides the heuristic
+    (`choose_tiling`), for tests and tuning.
     """
-    check_linear(x, weight, bias)
-    return _linear(x, weight, bias, tiling, gated=False)
+    check_linear(x, weight, bias, silu_cols)
+    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols)
 
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None) -> torch.Tensor:
@@ -191,7 +214,12 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling |
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiling: GemvTiling | None, gated: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiling: GemvTiling | None,
+    gated: bool,
+    silu_cols: int = 0,
 ) -> torch.Tensor:
     lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
@@ -206,10 +234,12 @@ def _linear(
         return y.view(*lead, n)
     if k == 0:  # an empty sum: the kernels' addressing assumes at least one column
         y.copy_(bias.expand(num_rows, n) if bias is not None else torch.zeros_like(y))
+        if silu_cols:
+            y[:, :silu_cols] = torch.nn.functional.silu(y[:, :silu_cols].float()).to(y.dtype)
         return y.view(*lead, n)
     for start in range(0, num_rows, MAX_BLOCK_M):
         rows = min(MAX_BLOCK_M, num_rows - start)
-        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated)
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols)
     return y.view(*lead, n)
 
 
@@ -220,6 +250,7 @@ def _launch(
     y: torch.Tensor,
     tiling: GemvTiling | None,
     gated: bool,
+    silu_cols: int,
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
@@ -243,7 +274,9 @@ def _launch(
         x.stride(0),
         weight.stride(0),
         tiles_per_split,
+        silu_cols,
         HAS_BIAS=bias is not None,
+        HAS_SILU=silu_cols > 0,
         GATED=gated,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
@@ -265,6 +298,8 @@ def _launch(
             num_rows,
             n,
             num_splits,
+            silu_cols,
             HAS_BIAS=bias is not None,
+            HAS_SILU=silu_cols > 0,
             BLOCK_N=block_n,
         )

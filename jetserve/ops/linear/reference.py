@@ -6,14 +6,17 @@ import torch
 import torch.nn.functional as F
 
 
-def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """ValueError unless x [..., K], weight [N, K] and bias (None or [N]) fit together and share x's dtype."""
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_cols: int = 0) -> None:
+    """ValueError unless x [..., K], weight [N, K] and bias (None or [N]) fit together and share x's dtype, and
+    0 ≤ silu_cols ≤ N."""
     if x.dim() < 1:
         raise ValueError("x must have a last (input feature) dimension")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must be [N, K] with K = {x.shape[-1]}, got shape {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if not 0 <= silu_cols <= weight.shape[0]:
+        raise ValueError(f"silu_cols must be in [0, {weight.shape[0]}], got {silu_cols}")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(
             f"bias must be [N] = [{weight.shape[0]}] in {x.dtype}, got shape {tuple(bias.shape)}, {bias.dtype}"
@@ -30,14 +33,21 @@ def check_swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`: x [M, K] (any leading dims), weight [N, K] (nn.Linear layout), bias [N] or None → y [M, N], x.dtype.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
+) -> torch.Tensor:
+    """`F.linear`: x [M, K] (any leading dims), weight [N, K] (nn.Linear layout), bias [N] or None → y [M, N], x.dtype;
+    then SiLU on output columns [0, silu_cols) (the JetBlock's q, k and kernel-generator columns of its fused input
+    projection), in fp32, rounded to x.dtype.
 
     On a GPU this is cuBLAS (fp32 accumulation for fp16/bf16, one rounding at the end); the Triton variant matches it to
-    rounding.
+    rounding (it applies the SiLU before its one rounding).
     """
-    check_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    check_linear(x, weight, bias, silu_cols)
+    y = F.linear(x, weight, bias)
+    if silu_cols:
+        y[..., :silu_cols] = F.silu(y[..., :silu_cols].float()).to(y.dtype)
+    return y
 
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,11 @@ def linear(
     """
     check_linear(x, weight, bias, silu_cols)
     y = F.linear(x, weight, bias)
-    if silu_cols:
-        y[..., :silu_cols] = F.silu(y[..., :silu_cols].float()).to(y.dtype)
+    if not silu_cols:
+        return y
+    if torch.is_grad_enabled() and y.requires_grad:  # autograd: out of place
+        return torch.cat([F.silu(y[..., :silu_cols]), y[..., silu_cols:]], dim=-1)
+    F.silu(y[..., :silu_cols], inplace=True)  # one launch, in place (torch's SiLU computes in fp32 and rounds once)
     return y
 
 

@@ -48,14 +48,17 @@ class OutputProcessor:
         """The text the newest output tokens add (everything pending when `flush`)."""
         if self.tokenizer is None:
             return ""
-        ids = seq.output_token_ids
+        # Offsets count output tokens; slice the window out of token_ids directly (no copy of the whole output).
+        ids, first = seq.token_ids, seq.num_prompt_tokens
         skip = seq.sampling_params.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip)
+        window = ids[first + seq.detok_prefix_offset :]
+        read = seq.detok_read_offset - seq.detok_prefix_offset
+        prefix = self.tokenizer.decode(window[:read], skip_special_tokens=skip)
+        full = self.tokenizer.decode(window, skip_special_tokens=skip)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not flush):
             return ""
         seq.detok_prefix_offset = seq.detok_read_offset
-        seq.detok_read_offset = len(ids)
+        seq.detok_read_offset = len(ids) - first
         return full[len(prefix) :]
 
     def find_stop_string(self, seq: Sequence, num_old_chars: int) -> str | None:

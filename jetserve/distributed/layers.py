@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from jetserve.distributed.group import TensorParallelGroup
-from jetserve.ops.linear import linear, swiglu_linear
+from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
 
 
 class RowParallelLinear(nn.Module):
@@ -23,6 +23,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
+
+    def forward_gated_norm(
+        self, o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """`self(gated_rms_norm(o, norm_weight, gate))` for this rank's heads, the norm fused into the GEMM."""
+        return self.group.all_reduce(gated_norm_linear(o, gate, norm_weight, eps, self.weight))  # [T, out]
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`self(silu(gate) * up)` for this rank's [gate | up] channels, the activation fused into the GEMM."""

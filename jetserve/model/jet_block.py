@@ -21,7 +21,6 @@ from jetserve.ops.gated_delta_rule import (
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
-from jetserve.ops.norm import gated_rms_norm
 
 
 class KernelGenerator(nn.Module):
@@ -105,8 +104,8 @@ class JetBlock(InputProjections, nn.Module):
             v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, V)
             o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)
             self.verify_inputs = (u, k, v, a, b)
-        y = gated_rms_norm(o, self.o_norm.weight, gate.view(T, H, V), self.norm_eps)  # [T, H, V]
-        return self.o_proj(y.reshape(T, D_v))  # [T, hidden]
+        # o_proj(gated_rms_norm(o, o_norm.weight, gate)): the per-head norm runs in the GEMM's prologue
+        return self.o_proj.forward_gated_norm(o.reshape(T, D_v), gate, self.o_norm.weight, self.norm_eps)  # [T, hidden]
 
     def commit(self, state_indices: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Advance the committed conv window and recurrent state along each sequence's accepted path of the last

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from jetserve.model.fusion import InputProjections
-from jetserve.ops.linear import linear, swiglu_linear
+from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
 from jetserve.ops.norm import rms_norm
 
 
@@ -16,6 +16,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_gated_norm(
+        self, o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """`self(gated_rms_norm(o, norm_weight, gate))` for o, gate [T, H·V] (heads of V = norm_weight's size), the
+        norm fused into the GEMM."""
+        assert self.bias is None, "the fused gated-norm GEMM has no bias"
+        return gated_norm_linear(o, gate, norm_weight, eps, self.weight)
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`self(silu(gate) * up)` for gate_up [T, 2 in] = [gate | up], the activation fused into the GEMM."""

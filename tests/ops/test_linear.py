@@ -153,6 +153,50 @@ def test_linear_kernel_silu_cols(kernels, dtype, num_rows, n, k, silu_cols, tili
     torch.testing.assert_close(actual.double() / scale, exact / scale, rtol=tol, atol=tol)
 
 
+def gated_norm_input(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What the gated-norm mode multiplies: `gated_rms_norm` over heads of norm_weight's size, in o.dtype."""
+    from jetserve.ops.norm.reference import gated_rms_norm
+
+    m, width = o.shape
+    shape = (m, width // norm_weight.shape[0], norm_weight.shape[0])
+    return gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps).reshape(m, width)
+
+
+def test_gated_norm_reference_and_checks() -> None:
+    o, gate, norm_weight, weight = randn(3, 64, seed=70), randn(3, 64, seed=71), randn(16, seed=72), randn(5, 64)
+    want = ref.linear(gated_norm_input(o, gate, norm_weight, 1e-5), weight)
+    assert torch.equal(ref.gated_norm_linear(o, gate, norm_weight, 1e-5, weight), want)
+    with pytest.raises(ValueError, match="power of two"):
+        ref.gated_norm_linear(o, gate, randn(24), 1e-5, weight)
+    with pytest.raises(ValueError, match="alike"):
+        ref.gated_norm_linear(o, gate[:, :32], norm_weight, 1e-5, weight)
+
+
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize(
+    "num_rows, n, heads, head, tiling",
+    [
+        (1, 37, 3, 32, None),  # the heuristic's pick; K = 96 is not a power of two (a tile past K is masked)
+        (3, 12, 4, 16, None),
+        (1, 37, 6, 32, (1, 16, 32, 3, False)),  # FMA, split K: each split normalises its own heads
+        (5, 300, 2, 64, (16, 32, 16, 1, True)),  # tensor cores with a tile narrower than a head: widened to one head
+        (16, 40, 4, 32, (16, 16, 64, 2, True)),  # tensor cores, split K, two heads per tile
+    ],
+)
+def test_gated_norm_kernel_matches_reference(kernels, dtype, num_rows, n, heads, head, tiling) -> None:
+    """The o_proj prologue: per-head RMSNorm of o, times the norm weight and silu(gate) (gate a strided view),
+    rounded to o's dtype as gated_rms_norm rounds it, times the weight."""
+    k = heads * head
+    o = randn(num_rows, k, dtype=dtype, seed=73, scale=3.0).to(DEVICE)
+    wide = randn(num_rows, k + 5, dtype=dtype, seed=74).to(DEVICE)
+    gate = wide[:, 2 : 2 + k]  # row stride k + 5
+    norm_weight = randn(head, dtype=dtype, seed=75).to(DEVICE)
+    weight = randn(n, k, dtype=dtype, seed=76, scale=k**-0.5).to(DEVICE)
+    t = kernels.GemvTiling(*tiling) if tiling else None
+    actual = kernels.gated_norm_linear(o, gate, norm_weight, 1e-5, weight, tiling=t)
+    assert_matches(actual, gated_norm_input(o, gate, norm_weight, 1e-5), weight, None)
+
+
 def swiglu_input(gate_up: torch.Tensor) -> torch.Tensor:
     """The GEMM input the SwiGLU mode forms: silu(gate) * up in fp32, rounded to gate_up's dtype."""
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -394,3 +438,17 @@ def test_swiglu_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -> No
     weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
     actual = kernels.swiglu_linear(gate_up, weight)
     assert_matches(actual, swiglu_input(gate_up), weight, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["2b jet o", "4b jet o"])
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
+def test_gated_norm_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -> None:
+    n, k = GPU_SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(num_rows)
+    o, gate = (torch.randn(num_rows, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_weight = torch.randn(256, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+    actual = kernels.gated_norm_linear(o, gate, norm_weight, 1e-5, weight)
+    assert_matches(actual, gated_norm_input(o, gate, norm_weight, 1e-5), weight, None)

@@ -8,7 +8,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.linear import reference
-from jetserve.ops.norm import silu_and_mul
+from jetserve.ops.norm import gated_rms_norm, silu_and_mul
 
 GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs; past it, F.linear (cuBLAS)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,6 +38,23 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return kernels.swiglu_linear(x, weight)
     return linear(silu_and_mul(x), weight)
+
+
+def gated_norm_linear(
+    o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """o, gate [M, H·V] → `gated_rms_norm` over heads of V (norm_weight [V]) times weight [N, H·V]ᵀ, [M, N] in
+    o.dtype: one Triton launch under the same conditions as `linear` (and V a power of two), else `gated_rms_norm`
+    then `linear`. See `reference.gated_norm_linear`."""
+    head = norm_weight.shape[0]
+    if _takes_triton(o, weight) and o.dim() == 2 and head & (head - 1) == 0:
+        from jetserve.ops.linear import kernels
+
+        return kernels.gated_norm_linear(o, gate, norm_weight, eps, weight)
+    num_rows, width = o.shape
+    shape = (num_rows, width // head, head)  # [M, H, V]
+    y = gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps)
+    return linear(y.reshape(num_rows, width), weight)
 
 
 def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -71,4 +88,4 @@ def _has_fp32_out_gemm(device: torch.device) -> bool:
     return out.dtype == torch.float32 and bool((out == 8).all())
 
 
-__all__ = ["GEMV_MAX_ROWS", "linear", "logits_linear", "swiglu_linear"]
+__all__ = ["GEMV_MAX_ROWS", "gated_norm_linear", "linear", "logits_linear", "swiglu_linear"]

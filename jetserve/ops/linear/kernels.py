@@ -8,6 +8,7 @@ them in a fixed order (deterministic; no atomics, no host sync: the launch can b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.linear.reference import check_linear, check_swiglu_linear
+from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -51,9 +52,14 @@ def _linear_kernel(
     stride_wn,
     tiles_per_split,
     silu_cols,
+    gate,
+    stride_gm,
+    norm_w,
+    eps,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
+    NORM_HEAD: tl.constexpr,  # > 0: the input is gated_rms_norm(x, norm_w, gate) over heads of NORM_HEAD columns
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -99,6 +105,16 @@ def _linear_kernel(
         if GATED:  # silu_and_mul's math and rounding: fp32, one rounding to x's dtype (0 where masked)
             b_gate = b_x.to(tl.float32)
             b_x = (b_gate * tl.sigmoid(b_gate) * b_up.to(tl.float32)).to(x.dtype.element_ty)
+        if NORM_HEAD > 0:  # gated_rms_norm's math and rounding; a tile holds whole heads (BLOCK_K % NORM_HEAD == 0)
+            o_kk = o_k + i * BLOCK_K
+            m_g = m_m[:, None] & (o_kk < K)[None, :]
+            b_g = tl.load(gate + o_m.to(tl.int64)[:, None] * stride_gm + o_kk[None, :], mask=m_g, other=0.0)
+            b_g = b_g.to(tl.float32)
+            b_nw = tl.load(norm_w + o_kk % NORM_HEAD, mask=o_kk < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+            b_o = tl.reshape(b_x.to(tl.float32), (BLOCK_M, BLOCK_K // NORM_HEAD, NORM_HEAD))
+            b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
+            b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
+            b_x = (b_o * b_nw[None, :] * (b_g * tl.sigmoid(b_g))).to(x.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
         else:
@@ -213,6 +229,28 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling |
     return _linear(x, weight, None, tiling, gated=True)
 
 
+def gated_norm_linear(
+    o: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    tiling: GemvTiling | None = None,
+) -> torch.Tensor:
+    """`gated_rms_norm` over heads of V = norm_weight's size, then times weightᵀ, in one launch: the JetBlock's output
+    norm and o_proj. o and gate [M, H·V] (gate may be a strided view), norm_weight [V] (a power of two), weight
+    [N, H·V] → [M, N] in o.dtype; see `reference.gated_norm_linear`."""
+    check_gated_norm_linear(o, gate, norm_weight, weight)
+    head = norm_weight.shape[0]
+    num_rows, k = o.shape
+    t = tiling or choose_tiling(num_rows, weight.shape[0], k, sm_count(o.device))
+    if t.block_k % head:  # a tile must hold whole heads
+        t = dataclasses.replace(t, block_k=max(t.block_k, head))
+    norm = (gate if gate.stride(-1) == 1 else gate.contiguous(), norm_weight.contiguous(), float(eps), head)
+    return _linear(o, weight, None, t, gated=False, norm=norm)
+
+
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -220,6 +258,7 @@ def _linear(
     tiling: GemvTiling | None,
     gated: bool,
     silu_cols: int = 0,
+    norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
 ) -> torch.Tensor:
     lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
@@ -239,7 +278,8 @@ def _linear(
         return y.view(*lead, n)
     for start in range(0, num_rows, MAX_BLOCK_M):
         rows = min(MAX_BLOCK_M, num_rows - start)
-        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols)
+        rows_norm = None if norm is None else (norm[0][start : start + rows], *norm[1:])
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols, rows_norm)
     return y.view(*lead, n)
 
 
@@ -251,6 +291,7 @@ def _launch(
     tiling: GemvTiling | None,
     gated: bool,
     silu_cols: int,
+    norm: tuple[torch.Tensor, torch.Tensor, float, int] | None,
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
@@ -275,9 +316,14 @@ def _launch(
         weight.stride(0),
         tiles_per_split,
         silu_cols,
+        norm[0] if norm else x,
+        norm[0].stride(0) if norm else 0,
+        norm[1] if norm else x,
+        norm[2] if norm else 0.0,
         HAS_BIAS=bias is not None,
         HAS_SILU=silu_cols > 0,
         GATED=gated,
+        NORM_HEAD=norm[3] if norm else 0,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,

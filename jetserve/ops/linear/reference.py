@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jetserve.ops.norm.reference import gated_rms_norm
+
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_cols: int = 0) -> None:
     """ValueError unless x [..., K], weight [N, K] and bias (None or [N]) fit together and share x's dtype, and
@@ -33,6 +35,21 @@ def check_swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
 
 
+def check_gated_norm_linear(
+    o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor
+) -> None:
+    """ValueError unless o and gate [M, H·V] match, norm_weight is [V] with V a power of two dividing H·V, and weight
+    [N, H·V] shares o's dtype."""
+    if o.dim() != 2 or gate.shape != o.shape:
+        raise ValueError(f"o and gate must be [M, H*V] alike, got {tuple(o.shape)} and {tuple(gate.shape)}")
+    head = norm_weight.shape[0] if norm_weight.dim() == 1 else 0
+    if head < 1 or head & (head - 1) or o.shape[1] % head:
+        raise ValueError(
+            f"norm_weight must be [V], V a power of two dividing {o.shape[1]}, got {tuple(norm_weight.shape)}"
+        )
+    check_linear(o, weight, None)
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
 ) -> torch.Tensor:
@@ -59,6 +76,19 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     check_swiglu_linear(x, weight)
     gate, up = x.float().chunk(2, dim=-1)  # [..., K] each
     return F.linear((F.silu(gate) * up).to(x.dtype), weight)
+
+
+def gated_norm_linear(
+    o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """The JetBlock's output: `gated_rms_norm` of o over heads of V = norm_weight's size (fp32 inside, rounded to
+    o.dtype), then times weight [N, H·V]ᵀ. o, gate [M, H·V] → [M, N] in o.dtype."""
+    check_gated_norm_linear(o, gate, norm_weight, weight)
+    num_rows, width = o.shape
+    head = norm_weight.shape[0]
+    shape = (num_rows, width // head, head)  # [M, H, V]
+    y = gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps)
+    return F.linear(y.reshape(num_rows, width), weight)
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

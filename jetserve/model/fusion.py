@@ -43,7 +43,7 @@ class InputProjections:
         raise NotImplementedError
 
     def project(self, x: torch.Tensor, silu_cols: int = 0) -> torch.Tensor:
-        """x [T, in] → [T, Σ out], SiLU applied to output columns [0, silu_cols) inside the GEMM's epilogue."""
+        """x [T, in] → [T, Σ out], SiLU on output columns [0, silu_cols) (in the GEMM's epilogue on the Triton path)."""
         linears = self.input_projections()
         fused = self.fused_input
         if fused is not None and not fused.is_current(linears):

@@ -74,7 +74,7 @@ class JetBlock(InputProjections, nn.Module):
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
-        # The three that pass through silu first, so that one silu covers them.
+        # The three that pass through SiLU first: `project(x, silu_cols=...)` applies it to their leading columns.
         return (self.q_proj, self.k_proj, self.dynamic_conv1d.kernel_generator.w1,
                 self.v_proj, self.a_proj, self.b_proj, self.g_proj)  # fmt: skip
 

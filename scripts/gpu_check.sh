@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
-# Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]   (STAGES: any of tests,memcheck,kernels,offline; default all)
+# Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
+#   STAGES: any of tests,memcheck,kernels,offline,profile,spec,linear (default: the first four)
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
 # Each stage fits one 10-minute call: e.g. `bash scripts/gpu_check.sh $OUT tests`, then `... memcheck,kernels`, then
 # `... offline`.
@@ -36,4 +37,14 @@ case ",$STAGES," in *,kernels,*)
 case ",$STAGES," in *,offline,*)
   run bench_offline python3 -m jetserve.cli bench offline --config 2b --batch-sizes 1,64,256 --input-len 4096 \
     --output-len 64 --json ;; esac
+case ",$STAGES," in *,profile,*)
+  run profile_decode python3 bench/profile_decode.py --config 2b --batch-sizes 1,64 --input-len 4096 --steps 20 \
+    --json "$OUT_DIR/profile.jsonl" ;; esac
+case ",$STAGES," in *,spec,*)
+  for mode in right wrong; do
+    run "spec_forced_$mode" python3 -m jetserve.cli bench offline --config 2b --draft random \
+      --forced-acceptance "$mode" --batch-sizes 1,16 --input-len 1024 --output-len 64 --json
+  done ;; esac
+case ",$STAGES," in *,linear,*)
+  run bench_linear python3 bench/linear.py --json "$OUT_DIR/linear.jsonl" ;; esac
 exit $status

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jetserve.ops.norm.reference import gated_rms_norm
+from jetserve.ops.norm.reference import gated_rms_norm, silu_and_mul
 
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_cols: int = 0) -> None:
@@ -74,8 +74,7 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's activation then its down projection: `silu(gate) * up` of x [..., 2K] = [gate | up] in fp32, rounded
     to x.dtype (as `ops.norm.silu_and_mul`), times weight [N, K]ᵀ → [..., N] in x.dtype."""
     check_swiglu_linear(x, weight)
-    gate, up = x.float().chunk(2, dim=-1)  # [..., K] each
-    return F.linear((F.silu(gate) * up).to(x.dtype), weight)
+    return F.linear(silu_and_mul(x), weight)
 
 
 def gated_norm_linear(

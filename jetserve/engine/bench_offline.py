@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from jetserve.assets import resolve_checkpoint
 from jetserve.config import ModelConfig
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine, resolve_device
@@ -29,7 +30,14 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--model", help="checkpoint folder")
     source.add_argument("--config", help="tiny | 2b | 4b | config JSON: random weights, made on the device")
     p.add_argument("--batch-sizes", default="1,8,64,256", help="comma-separated (default 1,8,64,256)")
-    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument(
+        "--input-len", type=int, default=1024, help="prompt tokens per request (random); the longest allowed (mtbench)"
+    )
+    p.add_argument(
+        "--dataset", choices=["random", "mtbench"], default="random",
+        help="prompts: random tokens of --input-len, or MT-bench first turns in the model's chat template (needs a "
+        "checkpoint with a tokenizer; for τ with a trained draft)",
+    )  # fmt: skip
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto")
@@ -88,9 +96,13 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     if args.input_len < 1 or args.output_len < 2:
         raise ValueError("--input-len must be ≥ 1 and --output-len ≥ 2 (decode needs a step after the first token)")
     device = resolve_device(args.device)
-    draft_arg = getattr(args, "draft", None)
+    args.model = resolve_checkpoint(args.model, "model")  # `default`: the embedded model and draft
+    args.draft = draft_arg = resolve_checkpoint(getattr(args, "draft", None), "draft")
     if getattr(args, "forced_acceptance", None) and not draft_arg:
         raise ValueError("--forced-acceptance: needs --draft")
+    dataset = getattr(args, "dataset", "random")
+    if dataset != "random" and not args.model:
+        raise ValueError(f"--dataset {dataset}: needs --model (a checkpoint with a tokenizer)")
     kwargs = _engine_kwargs(args, batch_sizes)
     forced = getattr(args, "forced_acceptance", None)
     tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
@@ -103,7 +115,8 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         tflops = measure_gemm_tflops(device, engine.runner.dtype)
         results = []
         for batch_size in batch_sizes:
-            result = bench_batch(engine, batch_size, args.input_len, args.output_len, bandwidth, tflops, args.seed)
+            prompts = bench_prompts(engine, dataset, batch_size, args.input_len, args.seed)
+            result = bench_batch(engine, prompts, args.output_len, bandwidth, tflops)
             results.append(result)
             if args.json:
                 print(json.dumps(asdict(result)), flush=True)
@@ -277,13 +290,33 @@ def prefill_flops(engine: LLMEngine, num_tokens: int, input_len: int) -> float:
     return num_tokens * (2 * params + 4 * attn_dim * per_token_keys)
 
 
+def bench_prompts(engine: LLMEngine, dataset: str, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
+    """`batch_size` prompts: random tokens (`input_len` each), or the MT-bench first turns in file order (cycled) in
+    the model's chat template."""
+    if dataset == "random":
+        gen = torch.Generator().manual_seed(seed + batch_size)
+        return torch.randint(0, engine.model_config.vocab_size, (batch_size, input_len), generator=gen).tolist()
+    from jetserve.evals.mtbench import load_questions
+
+    if engine.tokenizer is None:
+        raise ValueError(f"--dataset {dataset}: the model has no tokenizer")
+    questions = load_questions()
+    texts = [questions[i % len(questions)]["turns"][0] for i in range(batch_size)]
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    longest = max(len(p) for p in prompts)
+    if longest > input_len:
+        raise ValueError(f"--input-len {input_len}: an MT-bench prompt has {longest} tokens; raise it to at least that")
+    return prompts
+
+
 def bench_batch(
-    engine: LLMEngine, batch_size: int, input_len: int, output_len: int, bandwidth: float, tflops: float, seed: int
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, bandwidth: float, tflops: float
 ) -> BenchResult:
+    """Prefill `prompts` alone, then decode them `output_len` tokens plainly (and speculatively, with a draft)."""
     device = engine.runner.device
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(seed + batch_size)
-    prompts = torch.randint(0, vocab, (batch_size, input_len), generator=gen).tolist()
+    batch_size = len(prompts)
+    input_len = round(statistics.mean(len(p) for p in prompts))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if engine.spec is not None:

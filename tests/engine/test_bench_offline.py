@@ -55,3 +55,23 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
 def test_bench_offline_forced_acceptance_needs_a_draft():
     with pytest.raises(ValueError, match="--forced-acceptance"):
         run_offline_bench(parse(["--config", "tiny", "--device", "cpu", "--forced-acceptance", "right"]))
+
+
+def test_bench_offline_mtbench_prompts_with_the_default_draft(capsys):
+    """`--dataset mtbench`: the embedded model answers MT-bench first turns (chat template, its tokenizer) and its
+    trained draft is accepted beyond chance; the prompt lengths are the questions', not --input-len."""
+    from jetserve.evals.mtbench import load_questions
+
+    args = parse(["--model", "default", "--draft", "default", "--dataset", "mtbench", "--batch-sizes", "2",
+                  "--output-len", "12", "--dtype", "float32", "--device", "cpu", "--json",
+                  "--no-spec-adaptive"])  # fmt: skip
+    assert run_offline_bench(args) == 0
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert r["spec_tau"] > 1.5 and r["spec_speedup"] > 0
+    first = load_questions()[0]["turns"][0]
+    assert r["input_len"] != 1024 and r["input_len"] > len(first.split())
+    with pytest.raises(ValueError, match="--input-len 8: an MT-bench prompt has"):
+        run_offline_bench(parse(["--model", "default", "--dataset", "mtbench", "--input-len", "8", "--batch-sizes",
+                                 "1", "--device", "cpu"]))  # fmt: skip
+    with pytest.raises(ValueError, match="--dataset mtbench: needs --model"):
+        run_offline_bench(parse(["--config", "tiny", "--dataset", "mtbench", "--device", "cpu"]))

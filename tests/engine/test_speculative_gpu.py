@@ -1,6 +1,7 @@
 """Speculative decoding on CUDA with the Triton ops: graph replay of the draft, verify and catch-up steps equals their
 eager run for every bucket; the engine with graphs equals the engine without; speculative output agrees with plain
-greedy (tiny fp32, and a 4-layer model of the real 2B shapes in bf16 with a random draft)."""
+greedy (tiny fp32; a 4-layer model of the real 2B shapes in fp32 with forced drafts, exactly; the trained default model
+and its draft in bf16, on ≥ 99.5% of tokens)."""
 
 from __future__ import annotations
 
@@ -146,10 +147,12 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
 
 
 @torch.inference_mode()
-def test_gpu_speculative_2b_shapes_bf16():
-    """4 layers of the real 2B shapes in bf16 with a random draft, forced to the plain run's greedy continuation:
-    verify agrees with decode on nearly every token, and the run is clean."""
-    model = random_model("2b", "bfloat16", torch.device("cuda"), seed=0, num_layers=4)
+def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
+    """4 layers of the real 2B shapes in fp32 (every Triton kernel and GEMM in IEEE fp32) with a random draft forced to
+    the plain run's greedy continuation: the speculative output is the plain output token for token, and nearly every
+    draft is accepted. (In bf16 these random weights put the top two logits within the bf16 noise of the two paths
+    at many steps, so forced drafts there measure rounding, not verify: see the trained model's test below.)"""
+    model = random_model("2b", "float32", torch.device("cuda"), seed=0, num_layers=4)
     draft = random_draft_model(model, seed=1)
     prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7, 1000)]
     config = EngineConfig(draft="random", spec_topk=1, spec_steps=5, spec_adaptive=False, device="cuda",
@@ -162,5 +165,46 @@ def test_gpu_speculative_2b_shapes_bf16():
     for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
         engine.spec.forced_continuations[str(i)] = p + c
     outs = run(engine, prompts, greedy())
-    assert prefix_agreement(outs, plain) >= 0.9
-    assert engine.spec_stats.mean_acceptance_length > 3.0
+    assert outs == plain
+    assert engine.spec_stats.mean_acceptance_length > 4.0
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
+    """Greedy token agreement of two runs: each sequence agrees up to its first difference, which counts as one
+    disagreement (after it the two follow different texts); returns (agreeing / compared, differences)."""
+    same = diffs = 0
+    for x, y in zip(a, b, strict=True):
+        n = next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), len(x))
+        same += n
+        diffs += n < len(x)
+    return same / (same + diffs), diffs
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_gpu_speculative_default_model_bf16_agrees_with_plain(shape):
+    """The embedded trained model and its draft in bf16 on MT-bench first turns: speculative greedy agrees with plain
+    greedy on ≥ 99.5% of tokens (issue 5's bf16 target), with drafts accepted (τ > 1.5)."""
+    from jetserve.assets import DEFAULT_DRAFT, DEFAULT_MODEL
+    from jetserve.evals.mtbench import load_questions
+
+    spec_args = CHAIN if shape == "chain" else TREE
+    config = EngineConfig(model=str(DEFAULT_MODEL), draft=str(DEFAULT_DRAFT), dtype="bfloat16", device="cuda",
+                          spec_adaptive=False, max_num_seqs=80, max_model_len=1024, gpu_memory_utilization=0.3,
+                          **spec_args)  # fmt: skip
+    engine = LLMEngine(config)
+    tok = engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}]))
+               for q in load_questions()]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    engine.set_speculation(False)
+    plain = run(engine, prompts, params)
+    engine.set_speculation(True)
+    outs = run(engine, prompts, params)
+    agreement, diffs = token_agreement(outs, plain)
+    print(
+        f"{shape}: agreement {agreement:.4f} ({diffs} of 80 sequences part), tau "
+        f"{engine.spec_stats.mean_acceptance_length:.2f}"
+    )
+    assert agreement >= 0.995
+    assert engine.spec_stats.mean_acceptance_length > 1.5

@@ -3,6 +3,8 @@ sizes and on the GPU at the 2B/4B decode shapes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -283,6 +285,29 @@ def test_choose_tiling_at_decode_shapes() -> None:
     assert choose_tiling(2, 1536, 8960, num_sms=132).num_splits > 1  # the MLP down projection: too few tiles on N
     assert not choose_tiling(1, 1536, 8960, num_sms=132).use_dot  # one row, narrow N: FMA tiles
     assert choose_tiling(1, 8960, 1536, num_sms=132).use_dot  # one row, N fills the SMs with tensor-core tiles
+
+
+def test_fit_pipeline_keeps_the_stages_in_shared_memory() -> None:
+    """fp32 tiles of the gated-norm prologue (a head of 256 per K tile) at 3-4 stages needed 307 KB of shared memory
+    on an H200 (limit 227 KB, measured): the stages shrink to fit; the bf16 decode tilings keep theirs."""
+    from jetserve.ops.linear.kernels import PIPELINE_SMEM_BYTES, choose_tiling, fit_pipeline
+
+    norm = (None, None, 1e-6, 256)
+    for num_rows in (1, 2, 16):
+        for n, k in [(1536, 3072), (2048, 4096), (8960, 1536), (151936, 1536)]:
+            base = choose_tiling(num_rows, n, k, num_sms=132)
+            wide = dataclasses.replace(base, block_k=max(base.block_k, 256))
+            for size, gated, prologue in [(2, False, None), (2, True, None), (4, False, norm), (4, True, None)]:
+                t = fit_pipeline(wide, size, gated, prologue)
+                assert t.num_stages >= 1 and (t.block_m, t.block_n, t.block_k) == (wide.block_m, wide.block_n,
+                                                                                   wide.block_k)  # fmt: skip
+                if t.use_dot:
+                    x_tiles = 1 + (gated or prologue is not None)
+                    stage = (t.block_n + x_tiles * t.block_m) * t.block_k * size
+                    assert t.num_stages * stage <= PIPELINE_SMEM_BYTES or t.num_stages == 1
+            if wide.use_dot:  # bf16 with the norm prologue: unchanged (it compiled at 4 stages)
+                assert fit_pipeline(wide, 2, False, norm) == wide
+                assert fit_pipeline(wide, 4, False, norm).num_stages < wide.num_stages
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:

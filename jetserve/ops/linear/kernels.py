@@ -23,6 +23,8 @@ MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row b
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
+PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
+# Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,17 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
     return GemvTiling(block_m, block_n, block_k, num_splits, use_dot, num_warps=4, num_stages=num_stages)
 
 
+def fit_pipeline(t: GemvTiling, element_size: int, gated: bool, norm: tuple | None) -> GemvTiling:
+    """Fewer pipeline stages where one stage's tiles (a weight tile, the rows' x tile, and the gate tile of a gated or
+    normed prologue) times the stages would not fit PIPELINE_SMEM_BYTES: fp32 tiles are twice bf16's."""
+    if not t.use_dot:
+        return t
+    x_tiles = 1 + (gated or norm is not None)
+    stage_bytes = (t.block_n + x_tiles * t.block_m) * t.block_k * element_size
+    stages = max(1, min(t.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
+    return t if stages == t.num_stages else dataclasses.replace(t, num_stages=stages)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -295,7 +308,7 @@ def _launch(
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
-    t = tiling or choose_tiling(num_rows, n, k, sm_count(x.device))
+    t = fit_pipeline(tiling or choose_tiling(num_rows, n, k, sm_count(x.device)), x.element_size(), gated, norm)
     if t.block_m < num_rows:
         raise ValueError(f"tiling: block_m {t.block_m} holds fewer than the {num_rows} rows of x")
     num_tiles = triton.cdiv(k, t.block_k)

@@ -3,7 +3,8 @@
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
 #   STAGES: any of tests,memcheck,kernels,offline,profile,spec,linear,long (default: the first four); long is the
-#   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 65536)
+#   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
+#   for the 64K prompt plus its output and catch-up steps)
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
 # Each stage fits one 10-minute call: e.g. `bash scripts/gpu_check.sh $OUT tests`, then `... memcheck,kernels`, then
 # `... offline`.
@@ -48,7 +49,7 @@ case ",$STAGES," in *,spec,*)
   done ;; esac
 case ",$STAGES," in *,long,*)
   python3 -c "import json, sys; from jetserve.checkpoint import preset_config as p
-c = p('2b'); c['max_position_embeddings'] = 65536; json.dump(c, open(sys.argv[1], 'w'))" "$OUT_DIR/2b_64k.json"
+c = p('2b'); c['max_position_embeddings'] = 131072; json.dump(c, open(sys.argv[1], 'w'))" "$OUT_DIR/2b_64k.json"
   run bench_offline_64k python3 -m jetserve.cli bench offline --config "$OUT_DIR/2b_64k.json" --batch-sizes 128 \
     --input-len 65536 --output-len 32 --json ;; esac
 case ",$STAGES," in *,linear,*)

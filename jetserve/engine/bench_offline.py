@@ -64,6 +64,9 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")
 
 
+WARMUP_TOKENS = 40  # past the draft's catch-up ring (speculative.MISSED_CAPACITY), so a ring-full flush runs too
+
+
 @dataclass
 class BenchResult:
     batch_size: int
@@ -319,6 +322,8 @@ def bench_batch(
     input_len = round(statistics.mean(len(p) for p in prompts))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    extra = catch_up_steps(batch_size, input_len, engine.config.max_num_batched_tokens)
+    _warm_up(engine, prompts, output_len + extra)
     if engine.spec is not None:
         engine.set_speculation(False)
     # Prefill alone: one token each, so no decode rows mix into the timed steps.
@@ -326,7 +331,6 @@ def bench_batch(
     prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}").seconds
     # Decode: time only the steps that decode the whole batch at once; early-prefilled sequences get the catch-up
     # steps on top (the roofline's context grows by as much).
-    extra = catch_up_steps(batch_size, input_len, engine.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=output_len + extra, ignore_eos=True)
     plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
     decode_steps = plain.decode_step_seconds
@@ -362,6 +366,22 @@ def bench_batch(
         gemm_tflops=round(tflops, 1),
         **spec_fields,
     )
+
+
+def _warm_up(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
+    """The batch once untimed, plainly and (with a draft) speculatively, for up to WARMUP_TOKENS tokens: Triton
+    compiles a kernel per specialization of its integer arguments (== 1, multiples of 16) on first use, which on a
+    fresh machine cost the first measured run of the draft's catch-up up to seconds per step (H200, measured)."""
+    params = SamplingParams(temperature=0, max_tokens=min(WARMUP_TOKENS, max_tokens), ignore_eos=True)
+    if engine.spec is not None:
+        engine.set_speculation(False)
+    plain = _run(engine, prompts, params, f"warm-up b={len(prompts)}")
+    if engine.spec is not None:
+        label = f"warm-up spec b={len(prompts)}"
+        engine.spec.forced_continuations = {f"{label}-{i}": p + plain.outputs[i] for i, p in enumerate(prompts)}
+        engine.set_speculation(True)
+        _run(engine, prompts, params, label)
+    assert engine.is_idle_and_clean()
 
 
 def _bench_speculative(

@@ -10,6 +10,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,6 +23,7 @@ from jetserve.engine.memory_plan import slot_bytes_for
 from jetserve.engine.sequence import SequenceStatus
 from jetserve.model.fusion import fuse_projections
 from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM, cast_model
+from jetserve.ops.jit_watch import watch_specializations
 from jetserve.sampling_params import SamplingParams
 
 
@@ -92,6 +94,10 @@ class BenchResult:
     spec_draft_ms: float | None = None  # per verify step
     spec_verify_ms: float | None = None
     spec_verify_share: float | None = None  # timed spec-run steps that verified (the rest decoded plainly)
+    # Triton kernel specializations first built during the timed runs (each a compile or a disk-cache load inside a
+    # timed step; 0 when warm): see ops.jit_watch.
+    new_specializations: int | None = None
+    spec_new_specializations: int | None = None
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
@@ -332,7 +338,9 @@ def bench_batch(
     # Decode: time only the steps that decode the whole batch at once; early-prefilled sequences get the catch-up
     # steps on top (the roofline's context grows by as much).
     params = SamplingParams(temperature=0, max_tokens=output_len + extra, ignore_eos=True)
-    plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
+    with watch_specializations() as plain_new:
+        plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
+    _report_specializations(f"decode  b={batch_size}", plain_new)
     decode_steps = plain.decode_step_seconds
     assert engine.is_idle_and_clean()
     spec_fields = {}
@@ -364,8 +372,15 @@ def bench_batch(
         peak_memory_gib=None if peak is None else round(peak, 3),
         copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
         gemm_tflops=round(tflops, 1),
+        new_specializations=sum(plain_new.values()),
         **spec_fields,
     )
+
+
+def _report_specializations(label: str, new: Counter) -> None:
+    if new:
+        names = ", ".join(f"{name} x{count}" for name, count in new.most_common())
+        print(f"{label.strip()}: Triton specialized kernels inside the timed run: {names}", file=sys.stderr)
 
 
 def _warm_up(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
@@ -398,7 +413,9 @@ def _bench_speculative(
     }  # fmt: skip
     engine.set_speculation(True)
     spec.stats = SpecStats()
-    run = _run(engine, prompts, params, label, batch_size)
+    with watch_specializations() as spec_new:
+        run = _run(engine, prompts, params, label, batch_size)
+    _report_specializations(label, spec_new)
     assert engine.is_idle_and_clean()
     stats = spec.stats
     plain_tok_s = plain.decode_tokens / max(sum(plain.decode_step_seconds), 1e-12)
@@ -413,6 +430,7 @@ def _bench_speculative(
         spec_draft_ms=round(1e3 * stats.draft_seconds / steps, 4),
         spec_verify_ms=round(1e3 * stats.verify_seconds / steps, 4),
         spec_verify_share=round(run.verify_steps / max(len(run.decode_step_seconds), 1), 4),
+        spec_new_specializations=sum(spec_new.values()),
     )
 
 

@@ -193,11 +193,16 @@ class ModelRunner:
             self.block_table[index[0], index[1]] = values
 
     def upload(self, rows: np.ndarray) -> list[torch.Tensor]:
-        """Copy a [C, n] int64 host array to the device at once; returns its C rows."""
-        host = torch.from_numpy(rows)  # [C, n]
+        """Copy a [C, n] int64 host array to the device at once; returns its C rows, each starting 16-byte aligned
+        (the array is padded to an even n): Triton specializes a kernel on its pointers' 16-byte alignment, so rows
+        whose alignment followed n's parity would build a second variant of every kernel they reach."""
+        n = rows.shape[1]
+        if n % 2:
+            rows = np.pad(rows, ((0, 0), (0, 1)))
+        host = torch.from_numpy(rows)  # [C, n rounded up to even]
         if self._is_pinned:
             host = host.pin_memory()
-        return list(host.to(self.device, non_blocking=True).unbind(0))
+        return [row[:n] for row in host.to(self.device, non_blocking=True).unbind(0)]
 
     def prefill_forward_batch(self, batch: Batch, slots: np.ndarray) -> tuple[ForwardBatch, torch.Tensor]:
         """The ForwardBatch of a PREFILL step, and the sampling counter per sequence [N] (its length when sampling)."""

@@ -4,6 +4,7 @@ with one GPU within bf16 tolerance, eager and with the decode step (collectives 
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -39,21 +40,31 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list:
 @pytest.mark.parametrize("preset", ["2b", "4b"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
 def test_tp2_equals_tp1_in_bf16(tmp_path, preset, enforce_eager):
+    start = time.perf_counter()
+
+    def progress(what: str) -> None:  # with -s: where the time goes (the 2B case ran past 166 s on an H200 unexplained)
+        print(f"[{time.perf_counter() - start:7.1f} s] {preset} {what}", flush=True)
+
     checkpoint = make_checkpoint(preset, tmp_path / preset, seed=0, num_layers=NUM_LAYERS, dtype="bfloat16")
     base = dict(model=str(checkpoint), dtype="bfloat16", device="cuda:0", max_num_seqs=8, max_model_len=2048,
                 gpu_memory_utilization=0.5, enforce_eager=enforce_eager)  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 151000, (n,), generator=gen).tolist() for n in (1, 17, 300, 1100)]
+    progress("checkpoint written")
     engine = LLMEngine(EngineConfig(**base), tokenizer=None)
+    progress("TP=1 engine built")
     want = run(engine, prompts)
+    progress("TP=1 generated")
     del engine
     gc.collect()
     torch.cuda.empty_cache()
     engine = build_engine(EngineConfig(**base, tensor_parallel_size=2))
+    progress("TP=2 engine built")
     try:
         assert isinstance(engine, TensorParallelEngine)
         assert (engine.runner.graph_runner is None) == enforce_eager
         got = run(engine, prompts)
+        progress("TP=2 generated")
     finally:
         engine.shutdown()
     for g, w in zip(got, want, strict=True):

@@ -156,7 +156,7 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
     draft = random_draft_model(model, seed=1)
     prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7, 1000)]
     config = EngineConfig(draft="random", spec_topk=1, spec_steps=5, spec_adaptive=False, device="cuda",
-                          max_num_seqs=16, max_model_len=2048, gpu_memory_utilization=0.5)  # fmt: skip
+                          max_num_seqs=4, max_model_len=2048, gpu_memory_utilization=0.5)  # fmt: skip
     engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance="right")
     assert engine.spec.graphs is not None
     engine.set_speculation(False)

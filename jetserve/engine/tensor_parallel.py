@@ -8,6 +8,9 @@ import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
+import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +27,8 @@ from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5  # how often rank 0 checks that the other ranks' processes still run
 
 
 @dataclass
@@ -55,9 +60,11 @@ class TensorParallelEngine(LLMEngine):
         workers: list[mp.process.BaseProcess] | None = None,
         random_config: str | None = None,
         seed: int = 0,
+        stopping: threading.Event | None = None,
     ) -> None:
         """`random_config` (a preset name or config JSON; benchmarks) draws random weights instead of loading
-        `config.model`."""
+        `config.model`. `stopping` (rank 0): set when this engine stops the other ranks on purpose, for the watchdog
+        of their processes (`watch_workers`)."""
         if group.world_size != config.tensor_parallel_size:
             raise ValueError(
                 f"tensor_parallel_size: {config.tensor_parallel_size}, but the process group has {group.world_size}"
@@ -66,6 +73,7 @@ class TensorParallelEngine(LLMEngine):
         self._workers = workers or []
         self._message = StepMessage()
         self._is_shut_down = False
+        self._stopping = stopping or threading.Event()
         if random_config is not None:
             from jetserve.checkpoint import preset_config
 
@@ -124,6 +132,7 @@ class TensorParallelEngine(LLMEngine):
         if self._is_shut_down or not self.group.is_first:
             return
         self._is_shut_down = True
+        self._stopping.set()
         try:
             self.group.broadcast_object(StepMessage(is_stop=True))
         finally:
@@ -151,6 +160,24 @@ class TensorParallelEngine(LLMEngine):
                 for option, num_seqs, seconds in message.step_times:
                     self._replay_step_time(option, num_seqs, seconds)
             super().step()
+
+
+def watch_workers(workers: list[mp.process.BaseProcess], stopping: threading.Event) -> None:
+    """Rank 0's watchdog: a rank whose process ends leaves rank 0 blocked in its next collective for good (gloo and
+    NCCL wait for every rank, and a blocked collective cannot be interrupted), so when one ends before `stopping` is
+    set, say which on stderr and end this process with status 1 instead of hanging."""
+    while not stopping.wait(WATCH_INTERVAL_S):
+        for rank, worker in enumerate(workers, start=1):
+            if worker.exitcode is not None and not stopping.is_set():
+                print(
+                    f"jetserve: tensor-parallel rank {rank} (pid {worker.pid}) exited with status {worker.exitcode} "
+                    "while the engine ran (its error, if any, is above); stopping rank 0",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for other in workers:
+                    other.kill()
+                os._exit(1)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -209,8 +236,16 @@ def build_engine(
                for r in range(1, config.tensor_parallel_size)]  # fmt: skip
     for worker in workers:
         worker.start()
-    group = init_tensor_parallel(0, config.tensor_parallel_size, port, devices[0])
-    engine = TensorParallelEngine(config, group, tokenizer, workers, random_config, seed)
+    stopping = threading.Event()
+    threading.Thread(target=watch_workers, args=(workers, stopping), daemon=True, name="jetserve-tp-watch").start()
+    try:
+        group = init_tensor_parallel(0, config.tensor_parallel_size, port, devices[0])
+        engine = TensorParallelEngine(config, group, tokenizer, workers, random_config, seed, stopping)
+    except BaseException:
+        stopping.set()  # this rank failed first: the others wait in a collective; stop them
+        for worker in workers:
+            worker.kill()
+        raise
     atexit.register(engine.shutdown)
     logger.info("tensor parallel: %d ranks on %s", config.tensor_parallel_size, ", ".join(map(str, devices)))
     return engine

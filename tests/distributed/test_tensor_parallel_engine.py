@@ -105,3 +105,31 @@ def test_plain_engine_refuses_parallel_configs(tiny_checkpoint):
     for field in ("tensor_parallel_size", "data_parallel_size"):
         with pytest.raises(ValueError, match="an LLMEngine is one process"):
             LLMEngine(EngineConfig(model=str(tiny_checkpoint), **{field: 2}, **BASE))
+
+
+# A script without the `if __name__ == "__main__":` guard: the spawned rank 1 re-runs it, multiprocessing refuses to
+# start a process from there, and rank 1 ends before it joins the process group, where rank 0 waits (for a year).
+UNGUARDED = """
+import sys
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.tensor_parallel import build_engine
+
+config = EngineConfig(model=sys.argv[1], tensor_parallel_size=2, dtype="float32", device="cpu", page_size=4,
+                      num_pages=64, num_slots=3, max_model_len=64)
+build_engine(config)
+print("built")
+"""
+
+
+def test_a_rank_that_dies_stops_rank_0_with_a_message(tiny_checkpoint, tmp_path):
+    """A rank's process ending while the engine runs ends rank 0 too (status 1, naming the rank) instead of leaving
+    it blocked in a collective; an orderly shutdown does not trip it (every other test here)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_checkpoint)], capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert proc.returncode == 1 and "built" not in proc.stdout, proc.stderr[-2000:]
+    assert "tensor-parallel rank 1" in proc.stderr and "exited with status 1" in proc.stderr, proc.stderr[-2000:]

@@ -28,9 +28,21 @@ run() {  # run NAME CMD...: log to OUT_DIR/NAME.log, remember failures
   echo "=== $name: rc=$rc in $((SECONDS - start)) s"
   tail -n 25 "$OUT_DIR/$name.log"
   [ $rc -eq 0 ] || status=1
+  return $rc
 }
+PYTEST=(python3 -m pytest -m gpu -p no:cacheprovider -q -o addopts= -rfE --durations=15)
 case ",$STAGES," in *,tests,*)
-  run gpu_tests python3 -m pytest -m gpu -p no:cacheprovider -q -o addopts="" tests ;; esac
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    # Two GPUs: the engine/speculative modules (graph capture per bucket, the longest) beside the op tests, then the
+    # tensor-parallel tests on both.
+    CUDA_VISIBLE_DEVICES=0 run gpu_tests_engine "${PYTEST[@]}" tests/engine &
+    engine_lane=$!
+    CUDA_VISIBLE_DEVICES=1 run gpu_tests_ops "${PYTEST[@]}" --ignore=tests/engine --ignore=tests/distributed tests
+    wait $engine_lane || status=1  # the lane ran in a subshell: its `status` stays there
+    run gpu_tests_tp "${PYTEST[@]}" -s tests/distributed
+  else
+    run gpu_tests "${PYTEST[@]}" tests
+  fi ;; esac
 case ",$STAGES," in *,memcheck,*)
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
     python3 bench/memcheck_kernels.py ;; esac
@@ -46,6 +58,10 @@ case ",$STAGES," in *,spec,*)
   for mode in right wrong; do
     run "spec_forced_$mode" python3 -m jetserve.cli bench offline --config 2b --draft random \
       --forced-acceptance "$mode" --batch-sizes 1,16 --input-len 1024 --output-len 64 --json
+  done
+  for policy in "" --no-spec-adaptive; do  # the trained pair on MT-bench: τ and speed-up, adaptive and always-verify
+    run "spec_default${policy:+_full}" python3 -m jetserve.cli bench offline --model default --draft default \
+      --dataset mtbench --dtype bfloat16 --batch-sizes 1,8,32 --output-len 128 --json $policy
   done ;; esac
 case ",$STAGES," in *,long,*)
   python3 -c "import json, sys; from jetserve.checkpoint import preset_config as p

@@ -36,7 +36,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
-from jetserve.ops.linear import linear, logits_linear  # noqa: E402
+from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import sample  # noqa: E402
 
@@ -310,6 +310,27 @@ def linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int) -
     return lambda: fn(x, w), _nbytes(x, w) + out_bytes, 2 * m * n * k
 
 
+def fused_linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int) -> Case:
+    """The skinny GEMM's fused modes as the model calls them: the JetBlock input projection with SiLU on q|k|h
+    ("jet in silu"), the MLP's SwiGLU + down projection ("swiglu down"), the JetBlock's gated output norm + o_proj
+    ("gated-norm o")."""
+    key_dim, value_dim = s.jet_heads * s.key_dim, s.channels
+    if kind == "jet in silu":
+        n, k = 2 * key_dim + 2 * value_dim + 2 * s.jet_heads + s.generator, s.hidden
+        x, w = _randn(m, k, dtype=dtype, device=device), _randn(n, k, dtype=dtype, device=device, scale=k**-0.5)
+        silu_cols = 2 * key_dim + s.generator
+        return lambda: linear(x, w, silu_cols=silu_cols), _nbytes(x, w) + m * n * dtype.itemsize, 2 * m * n * k
+    if kind == "swiglu down":
+        x = _randn(m, 2 * s.mlp, dtype=dtype, device=device)
+        w = _randn(s.hidden, s.mlp, dtype=dtype, device=device, scale=s.mlp**-0.5)
+        return lambda: swiglu_linear(x, w), _nbytes(x, w) + m * s.hidden * dtype.itemsize, 2 * m * s.hidden * s.mlp
+    o, g = _randn(m, value_dim, dtype=dtype, device=device), _randn(m, value_dim, dtype=dtype, device=device)
+    norm_w = _randn(s.value_dim, dtype=dtype, device=device)
+    w = _randn(s.hidden, value_dim, dtype=dtype, device=device, scale=value_dim**-0.5)
+    return (lambda: gated_norm_linear(o, g, norm_w, 1e-5, w), _nbytes(o, g, norm_w, w) + m * s.hidden * dtype.itemsize,
+            2 * m * s.hidden * value_dim)  # fmt: skip
+
+
 def sample_case(s: Shapes, device: str, n: int) -> Case:
     """sample over the vocabulary with top-k 50 and top-p 0.9: the fp32 logits and row parameters read, tokens
     written."""
@@ -360,6 +381,8 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
             cases[f"rope expanded positions T={n}"] = lambda n=n: rope_expanded_case(s, dtype, device, n)
         for kind in ("jet in", "gate|up", "down", "logits"):
             cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: linear_case(s, dtype, device, kind, n)
+        for kind in ("jet in silu", "swiglu down", "gated-norm o"):
+            cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: fused_linear_case(s, dtype, device, kind, n)
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)

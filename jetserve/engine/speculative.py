@@ -4,8 +4,10 @@ commit → catch-up), the adaptive choice of tree size per step, and the counter
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +27,10 @@ if TYPE_CHECKING:
     from jetserve.engine.model_runner import ModelRunner
 
 FORCED_MODES = ("right", "wrong")
-# Step-time and acceptance estimates are exponential moving averages with these weights for the newest sample.
-TIME_EMA = 0.2
+# An option's step time is the median of its last TIME_SAMPLES steps in a bucket: one slow step (a kernel compiled on
+# first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the dozens of steps
+# an average would take to forget it. Acceptance is an exponential moving average with this weight for the newest.
+TIME_SAMPLES = 5
 ACCEPT_EMA = 0.05
 # Every this many steps of one batch-size bucket, the least recently measured option is tried again; each exploration
 # that leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
@@ -82,7 +86,8 @@ class AdaptivePolicy:
     def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
         self.shapes = shapes
         self.adaptive = adaptive
-        self.step_seconds: dict[tuple[int, int], float] = {}  # (option, bucket) → EMA seconds; option -1 = plain
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (option, bucket) → estimate; option -1 = plain
+        self.recent_seconds: dict[tuple[int, int], collections.deque] = {}  # its last TIME_SAMPLES steps
         self.last_used: dict[tuple[int, int], int] = {}
         self.bucket_steps: dict[int, int] = {}
         self.mean_accepted: list[float | None] = [None] * len(shapes)  # EMA of accepted drafts per sequence-round
@@ -125,8 +130,9 @@ class AdaptivePolicy:
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
         key = (option, batch_bucket(num_seqs))
-        old = self.step_seconds.get(key)
-        self.step_seconds[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+        recent = self.recent_seconds.setdefault(key, collections.deque(maxlen=TIME_SAMPLES))
+        recent.append(seconds)
+        self.step_seconds[key] = statistics.median(recent)
         self.last_used[key] = self.bucket_steps.get(key[1], 0)
 
     def record_acceptance(self, option: int, accepted_drafts: list[int]) -> None:

@@ -376,6 +376,25 @@ def test_adaptive_policy_cost_model():
     assert fixed.choose(256) == 0
 
 
+def test_one_slow_step_does_not_flip_the_choice_but_a_lasting_change_does():
+    """Step times are the median of the last few steps: a single outlier of plain decoding (a first-use compile, a
+    plain step that flushed the draft's catch-up ring: 30x its usual time on an H200) leaves plain decoding chosen over
+    a tree that never pays; plain decoding that stays slow for most of the window loses to it."""
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    for option, seconds in ((0, 3.0), (-1, 1.0)):
+        assert policy.choose(1) == option
+        policy.record_step(option, 1, seconds)
+    policy.record_acceptance(0, [1])  # 2 tokens per 3 s against plain's 1 per 1 s
+    for _ in range(3):
+        assert policy.choose(1) == -1
+        policy.record_step(-1, 1, 1.0)
+    policy.record_step(-1, 1, 30.0)
+    assert policy.choose(1) == -1  # a moving average (0.2 weight) would have jumped to 6.8 s and chosen the tree
+    for _ in range(2):
+        policy.record_step(-1, 1, 30.0)
+    assert policy.choose(1) == 0  # three of the last five plain steps slow: it is slow now
+
+
 def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does():
     policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
     seconds = {0: 3.0, -1: 1.0}  # a tree that never pays: 1 token in 3 s against plain decoding's 1 token in 1 s

@@ -1,6 +1,7 @@
 """CUDA graphs, one per batch-size bucket: GraphRunner captures the decode step (ForwardBatch built on the device,
-model, logits, and the draft's target features when speculating); SpecGraphRunner the speculative steps (drafting,
-and verify with acceptance, commit and the draft's catch-up)."""
+model, logits, and the draft's target features into its catch-up ring when speculating); SpecGraphRunner the
+speculative steps (the draft's catch-up on what plain steps skipped, drafting, and verify with acceptance, commit and
+the draft's catch-up on the accepted tokens)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from jetserve.engine.speculative import MISSED_CAPACITY
 from jetserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -45,8 +47,6 @@ class GraphRunner:
         self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
         self.state_indices = torch.zeros(B, dtype=torch.int32, device=device)  # [B]
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
-        hidden = runner.config.hidden_size
-        self.aux = [torch.zeros(B, hidden, dtype=runner.dtype, device=device) for _ in runner.capture_layers]  # [B, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -59,8 +59,9 @@ class GraphRunner:
     def _step(self, B: int) -> None:
         logits = self.runner.decode_logits(self.input_ids[:B], self.positions[:B], self.state_indices[:B])
         self.logits[:B].copy_(logits)
-        for buffer, captured in zip(self.aux, self.runner.model.aux_hidden_states, strict=True):
-            buffer[:B].copy_(captured)
+        spec = self.runner.spec
+        if spec is not None:  # the draft's target features, into its catch-up ring (padding rows: slot 0)
+            spec.store_features(self.positions[:B], self.state_indices[:B], self.runner.model.aux_hidden_states)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -86,10 +87,6 @@ class GraphRunner:
             self._pad(N, B)
         self.graphs[B].replay()
         return self.logits[:N]
-
-    def aux_hidden_states(self, num_seqs: int) -> list[torch.Tensor]:
-        """The draft's target features of the last replay's first `num_seqs` rows (one [N, H] per capture layer)."""
-        return [buffer[:num_seqs] for buffer in self.aux]
 
 
 def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:
@@ -136,6 +133,9 @@ class SpecGraphRunner:
             T = shape.num_draft_tokens
             self.trees.append(_static_tree(B, T, device))
             self.results.append(torch.zeros(B, T + 2, dtype=torch.int64, device=device))  # [B, T_d + 2]
+        # The catch-up (`SpecDecoder.flush_rows`): rows of MISSED_CAPACITY tokens, their start, valid count and slot.
+        self.flush_ids = torch.zeros(B, MISSED_CAPACITY, dtype=torch.int64, device=device)  # [B, C]
+        self.flush_rows = torch.zeros(3, B, dtype=torch.int64, device=device)  # [3, B]: start, valid, slot
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = self.decode_graphs.pool
 
@@ -159,10 +159,15 @@ class SpecGraphRunner:
         result = spec.verify(shape, _tree_rows(self.trees[shape], B), prefix, slots, sampling)
         self.results[shape][:B].copy_(result)
 
+    def _flush(self, B: int) -> None:
+        starts, valid, slots = self.flush_rows[:, :B]
+        self.spec.flush_rows(self.flush_ids[:B], starts, valid, slots)
+
     @torch.inference_mode()
     def capture(self) -> None:
         self._pad(0)
         for B in reversed(self.batch_sizes):
+            self.pool = _capture(("flush", B), self.graphs, self.pool, lambda B=B: self._flush(B))
             for shape in range(len(self.spec.shapes)):
                 self.pool = _capture(
                     ("draft", B, shape), self.graphs, self.pool, lambda B=B, s=shape: self._draft(B, s)
@@ -188,6 +193,18 @@ class SpecGraphRunner:
         return B
 
     # ---- replay ----
+
+    def flush(self, ids: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> None:
+        """The draft's catch-up of N rows (ids [N, MISSED_CAPACITY], starts / valid / slots [N] int64)."""
+        N = ids.shape[0]
+        B = self._bucket(N)
+        self.flush_ids[:N].copy_(ids)
+        for buffer, rows in zip(self.flush_rows, (starts, valid, slots), strict=True):
+            buffer[:N].copy_(rows)
+        if B > N:
+            self.flush_ids[N:B].zero_()
+            self.flush_rows[:, N:B].zero_()
+        self.graphs[("flush", B)].replay()
 
     def draft(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
         N = roots.shape[0]

@@ -41,7 +41,8 @@ class ModelRunner:
 
     With a SpecDecoder attached (`attach_spec`), PREFILL and DECODE steps also capture the draft's target features;
     PREFILL steps catch the draft up on the positions they cached, DECODE steps leave their features to the
-    SpecDecoder for a later catch-up (`defer_decode`), and VERIFY steps run through the SpecDecoder.
+    SpecDecoder for a later catch-up (`store_features`, inside the decode graph), and VERIFY steps run through the
+    SpecDecoder.
     """
 
     def __init__(self, model: JetNemotronForCausalLM, plan: MemoryPlan, state_pool: StatePool) -> None:
@@ -106,6 +107,8 @@ class ModelRunner:
             host[1] = [s.num_computed_tokens for s in seqs]
             host[2] = slots
             input_ids, positions, state_indices = self.upload(host)
+            if self.spec is not None:
+                self.spec.before_decode(seqs, slots)
             is_graphed = self.graph_runner is not None and self.graph_runner.fits(len(seqs))
             if is_graphed:
                 logits = self.graph_runner.run(input_ids, positions, state_indices)  # [N, V]
@@ -126,8 +129,8 @@ class ModelRunner:
         tokens = self.sampler(logits, state_indices, counters, is_all_greedy)  # [N]
         if self.spec is not None:
             if batch.phase is Phase.DECODE:
-                aux = self.graph_runner.aux_hidden_states(len(seqs)) if is_graphed else self.model.aux_hidden_states
-                self.spec.defer_decode(seqs, slots, positions, state_indices, aux)
+                if not is_graphed:  # a decode graph stores them as it replays
+                    self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
             else:
                 self._catch_up_prefill(batch, fb, tokens, slots)
         out = StepOutput(tokens.tolist())

@@ -228,11 +228,12 @@ class SpecDecoder:
     Draft position t holds (token t + 1, target feature at t). The draft catches up on the positions a target step
     cached: `catch_up` after PREFILL (chunk [s, e) gives tokens [s + 1, e + 1), the last one the token just sampled
     where the chunk ends the sequence), `extend_after_verify` inside VERIFY. A plain DECODE step does not run the
-    draft: `defer_decode` stores its target features in `missed_features` (a ring of `MISSED_CAPACITY` positions per
-    slot), and `flush` runs one draft forward over every position a sequence missed (its tokens are on the host) before
-    the draft is next needed: a VERIFY step, a PREFILL chunk of the sequence, or a full ring. `draft_len[slot]` (host)
-    counts the positions the draft cache holds. A preempted sequence recomputes through prefill, so its draft cache is
-    rebuilt the same way.
+    draft: `store_features` (inside the decode CUDA graph, or eagerly) keeps its target features in `missed_features`
+    (a ring of `MISSED_CAPACITY` positions per slot), and `flush` runs one draft forward over every position a sequence
+    missed (its tokens are on the host) before the draft is next needed: a VERIFY step, a PREFILL chunk of the
+    sequence, or a decode step that would wrap the ring onto an unseen position (`before_decode`). `draft_len[slot]`
+    (host) counts the positions the draft cache holds. A preempted sequence recomputes through prefill, so its draft
+    cache is rebuilt the same way.
     """
 
     def __init__(
@@ -306,51 +307,72 @@ class SpecDecoder:
 
     # ---- draft catch-up after target steps ----
 
-    def defer_decode(
+    def store_features(
         self,
-        seqs: list[Sequence],
-        slots_host: np.ndarray,  # [N] int64
         positions: torch.Tensor,  # [N] int64: the position each sequence cached this step
-        slots: torch.Tensor,  # [N]
+        slots: torch.Tensor,  # [N] state slots
         aux_hidden_states: list[torch.Tensor],  # the target's features at those positions, one [N, H_t] per layer
     ) -> None:
-        """After a plain DECODE step: keep the step's target features for a later `flush` instead of running the
-        draft. A sequence whose ring is full catches up first (on every position before this one)."""
-        full = [seq.num_computed_tokens - self.draft_len[slot] >= MISSED_CAPACITY
-                for seq, slot in zip(seqs, slots_host.tolist(), strict=True)]  # fmt: skip
-        if any(full):
-            rows = [i for i, f in enumerate(full) if f]
-            self.flush([seqs[i] for i in rows], slots_host[rows], [seqs[i].num_computed_tokens for i in rows])
+        """Keep a plain DECODE step's target features for a later `flush` instead of running the draft: inside the
+        decode CUDA graph, or eagerly after an ungraphed step."""
         index = (slots.long(), positions % MISSED_CAPACITY)
         for buffer, aux in zip(self.missed_features, aux_hidden_states, strict=True):
             buffer[index] = aux
 
+    def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray) -> None:
+        """Before a plain DECODE step caches position p = num_computed_tokens: a sequence whose ring would wrap onto a
+        position the draft has not seen (p − draft_len ≥ MISSED_CAPACITY) catches up first."""
+        rows = [i for i, (seq, slot) in enumerate(zip(seqs, slots_host.tolist(), strict=True))
+                if seq.num_computed_tokens - self.draft_len[slot] >= MISSED_CAPACITY]  # fmt: skip
+        if rows:
+            self.flush([seqs[i] for i in rows], slots_host[rows], [seqs[i].num_computed_tokens for i in rows])
+
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in
-        one draft forward: position t takes (token t + 1 from the host, the stored feature at t)."""
+        one draft forward: position t takes (token t + 1 from the host, the stored feature at t). Rows of
+        MISSED_CAPACITY tokens replayed as a CUDA graph where one is captured for the batch, else rows of the
+        longest catch-up, eagerly."""
         todo = [(seq, slot, end) for seq, slot, end in zip(seqs, slots_host.tolist(), ends, strict=True)
                 if self.draft_len[slot] < end]  # fmt: skip
         if not todo:
             return
         lens = [end - self.draft_len[slot] for _, slot, end in todo]
-        assert all(n <= MISSED_CAPACITY for n in lens), "a sequence missed more positions than its ring holds"
-        num_seqs, num_tokens = len(todo), sum(lens)
-        host = np.zeros((6, num_tokens + 1), dtype=np.int64)  # T ≥ N, so every column fits
-        host[0, :num_tokens] = [t for seq, slot, end in todo for t in seq.token_ids[self.draft_len[slot] + 1 : end + 1]]
-        host[1, :num_tokens] = [p for _, slot, end in todo for p in range(self.draft_len[slot], end)]
-        host[2, :num_tokens] = np.repeat([slot for _, slot, _ in todo], lens)
-        np.cumsum(lens, out=host[3, 1 : num_seqs + 1])
-        host[4, :num_seqs] = [self.draft_len[slot] for _, slot, _ in todo]
-        host[5, :num_seqs] = [slot for _, slot, _ in todo]
-        dev = self.runner.upload(host)
-        ids, positions, rows = (t[:num_tokens] for t in dev[:3])
-        cu, starts, slots = dev[3][: num_seqs + 1], dev[4][:num_seqs], dev[5][:num_seqs]
-        index = (rows, positions % MISSED_CAPACITY)
-        features = [buffer[index] for buffer in self.missed_features]  # one [T, H_t] per layer
-        kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
-        self.last_hidden[slots] = self.drafters[0].extend(ids, features, cu, starts, kv, max(lens))  # [N, H]
+        assert max(lens) <= MISSED_CAPACITY, "a sequence missed more positions than its ring holds"
+        num_seqs = len(todo)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num_seqs) else None
+        width = MISSED_CAPACITY if graphs is not None else max(lens)
+        host = np.zeros((num_seqs, width + 3), dtype=np.int64)  # per row: token ids (0-padded), start, length, slot
+        for row, (seq, slot, end) in zip(host, todo, strict=True):
+            start = self.draft_len[slot]
+            row[: end - start] = seq.token_ids[start + 1 : end + 1]
+            row[width:] = start, end - start, slot
+        (flat,) = self.runner.upload(host.reshape(1, -1))
+        dev = flat[: host.size].view(num_seqs, width + 3)
+        ids, starts, valid, slots = dev[:, :width], dev[:, width], dev[:, width + 1], dev[:, width + 2]
+        if graphs is not None:
+            graphs.flush(ids, starts, valid, slots)
+        else:
+            self.flush_rows(ids, starts, valid, slots)
         for _, slot, end in todo:
             self.draft_len[slot] = end
+
+    def flush_rows(
+        self,
+        ids: torch.Tensor,  # [N, C] int64: token t + 1 for positions start .. start + C − 1 (the first `valid` count)
+        starts: torch.Tensor,  # [N] int64: each row's first missed position (its draft_len)
+        valid: torch.Tensor,  # [N] int64: missed positions per row (0 for padding rows)
+        slots: torch.Tensor,  # [N] int64 (0 for padding rows)
+    ) -> None:
+        """The catch-up's device part (what a flush graph captures): one draft forward of N rows of C tokens, the
+        first `valid` of each stored and counted; a row with none keeps its draft output."""
+        num_seqs, width = ids.shape
+        positions = starts[:, None] + torch.arange(width, device=ids.device)  # [N, C]
+        index = (slots[:, None].expand(-1, width), positions % MISSED_CAPACITY)
+        features = [buffer[index].flatten(0, 1) for buffer in self.missed_features]  # one [N*C, H_t] per layer
+        cu = torch.arange(num_seqs + 1, device=ids.device) * width  # [N+1]
+        kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
+        hidden = self.drafters[0].extend(ids.flatten(), features, cu, starts, kv, width, num_valid=valid)  # [N, H]
+        self.last_hidden[slots] = torch.where((valid > 0)[:, None], hidden, self.last_hidden[slots])
 
     def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> None:
         """Before `catch_up` on PREFILL chunks [s, s + n): flush what each sequence missed before s; afterwards the

@@ -93,8 +93,10 @@ class Drafter:
         owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=num_tokens)
         offset = torch.arange(num_tokens, device=device) - cu[owner]  # [T]
         starts = start_positions.to(device, torch.long)
-        positions = starts[owner] + offset  # [T]
         valid = lens if num_valid is None else num_valid.to(device, torch.long)  # [N]
+        # Padding tokens (offset ≥ valid) take their row's last valid position, so their RoPE and page lookups stay
+        # inside what the sequence holds; they write nothing, and causality hides them from the valid tokens.
+        positions = starts[owner] + torch.minimum(offset, (valid[owner] - 1).clamp(min=0))  # [T]
         slots = torch.where(offset < valid[owner], kv.slots(owner, positions), -1)  # padding writes nothing
         fb = self._prefill_batch(positions, cu, starts + lens, slots, kv.block_tables, max_seqlen_q)
         hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb, input_embeds)  # [T, H]

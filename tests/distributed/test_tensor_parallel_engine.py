@@ -124,12 +124,16 @@ print("built")
 def test_a_rank_that_dies_stops_rank_0_with_a_message(tiny_checkpoint, tmp_path):
     """A rank's process ending while the engine runs ends rank 0 too (status 1, naming the rank) instead of leaving
     it blocked in a collective; an orderly shutdown does not trip it (every other test here)."""
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
+    root = str(Path(__file__).resolve().parents[2])  # the checkout, importable whether or not jetserve is installed
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(script), str(tiny_checkpoint)], capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+                          timeout=240, env=env)  # fmt: skip
     assert proc.returncode == 1 and "built" not in proc.stdout, proc.stderr[-2000:]
     assert "tensor-parallel rank 1" in proc.stderr and "exited with status 1" in proc.stderr, proc.stderr[-2000:]

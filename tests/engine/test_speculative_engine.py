@@ -481,6 +481,7 @@ def _eager_graphs(engine: LLMEngine, sizes: list[int]) -> None:
     runner.graph_runner = decode
     graphs = SpecGraphRunner(spec, sizes)
     for B in graphs.batch_sizes:
+        graphs.graphs[("flush", B)] = _EagerGraph(lambda B=B: graphs._flush(B))
         for s in range(len(spec.shapes)):
             graphs.graphs[("draft", B, s)] = _EagerGraph(lambda B=B, s=s: graphs._draft(B, s))
             for g in (True, False):
@@ -559,16 +560,20 @@ def _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, prompts, params) -> l
     return run(engine, prompts, params)
 
 
-def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_path"])
+def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts, graphs):
     """The policy forced to plain decoding for longer than the missed-feature ring, then to a draft shape: the draft
     lags at most MISSED_CAPACITY positions meanwhile, and after the first verify step its K/V and hidden state, and
-    the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs."""
+    the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs.
+    On the graph path (run eagerly) the catch-up runs as fixed rows of MISSED_CAPACITY tokens in a padded bucket."""
     chosen = [prompts[i] for i in (1, 3, 4)]
     params = greedy(max_tokens=64)
     expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     always = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
     assert run(always, chosen, params) == expected
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
+    if graphs:
+        _eager_graphs(engine, [1, 2, 4])  # 3 sequences: bucket 4, one padded row
     spec = engine.spec
     for i, prompt in enumerate(chosen):
         engine.add_request(str(i), prompt, params)

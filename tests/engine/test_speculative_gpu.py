@@ -11,6 +11,7 @@ import torch
 from jetserve.engine.bench_offline import random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.speculative import MISSED_CAPACITY
 from jetserve.model.loader import load_model
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint, random_draft_model
@@ -96,7 +97,7 @@ def test_gpu_speculative_graphs_equal_eager_and_agree_with_plain(
 def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor]:
     tensors = [engine.state_pool.conv_states, engine.state_pool.recurrent_states, engine.spec.k_cache,
                engine.spec.v_cache, engine.spec.last_hidden]  # fmt: skip
-    tensors += [t for pair in engine.runner.kv_caches.values() for t in pair]
+    tensors += [t for pair in engine.runner.kv_caches.values() for t in pair] + engine.spec.missed_features
     for t in tensors:
         t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype) * 0.5)
     return tensors
@@ -106,7 +107,8 @@ def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor
 @pytest.mark.parametrize("greedy_rows", [True, False])
 def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_dir, greedy_rows):
     """Every bucket and draft shape: drafting and verify (acceptance, commit, catch-up) replayed from the graphs give
-    the eager result and leave the same caches, for N = B and N = B - 1 (padded) rows."""
+    the eager result and leave the same caches, for N = B and N = B - 1 (padded) rows; so does the catch-up on what
+    plain steps skipped (the flush graph), with 0 to MISSED_CAPACITY positions per row."""
     engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, spec_topk=2, spec_steps=3,
                          spec_num_draft_tokens=6, num_slots=40, max_num_seqs=32)  # fmt: skip
     spec, graphs = engine.spec, engine.spec.graphs
@@ -122,8 +124,27 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
     for slot in range(1, 40):
         sampler.set_slot(slot, SamplingParams(temperature=0.0 if greedy_rows else 0.9, top_k=20, seed=slot), slot)
     sampler.sync()
+
+    def check_caches(eager_caches, label):
+        for i, (g, e) in enumerate(zip(caches, eager_caches, strict=True)):
+            # Slot 0 / page 0 take the padded rows' writes, which differ between N and the bucket.
+            rows = g[:, 1:] if i < 2 else g[1:]
+            ref = e[:, 1:] if i < 2 else e[1:]
+            torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-5, msg=f"cache {i} {label}")
+
     for B in graphs.batch_sizes:
         for N in sorted({B, max(1, B - 1)}):
+            slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
+            ids = torch.randint(0, engine.model_config.vocab_size, (N, MISSED_CAPACITY), generator=gen, device="cuda")
+            starts = torch.randint(20, 150, (N,), generator=gen, device="cuda")
+            valid = torch.randint(0, MISSED_CAPACITY + 1, (N,), generator=gen, device="cuda")
+            before = [t.clone() for t in caches]
+            spec.flush_rows(ids, starts, valid, slots)
+            eager_caches = [t.clone() for t in caches]
+            for t, saved in zip(caches, before, strict=True):
+                t.copy_(saved)
+            graphs.flush(ids, starts, valid, slots)
+            check_caches(eager_caches, f"flush B={B} N={N}")
             for shape in range(len(spec.shapes)):
                 slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
                 prefix = torch.randint(20, 190, (N,), generator=gen, device="cuda")
@@ -139,11 +160,7 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                 assert torch.equal(graph_tree.tokens, tree.tokens) and torch.equal(graph_tree.parents, tree.parents)
                 replayed = graphs.verify(shape, prefix, slots, greedy_rows).clone()
                 assert torch.equal(replayed, eager), f"B={B} N={N} shape={shape}"
-                for i, (g, e) in enumerate(zip(caches, eager_caches, strict=True)):
-                    # Slot 0 / page 0 take the padded rows' writes, which differ between N and the bucket.
-                    rows = g[:, 1:] if i < 2 else g[1:]
-                    ref = e[:, 1:] if i < 2 else e[1:]
-                    torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-5, msg=f"cache {i} B={B} N={N}")
+                check_caches(eager_caches, f"B={B} N={N} shape={shape}")
 
 
 @torch.inference_mode()

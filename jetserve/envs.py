@@ -13,3 +13,13 @@ def backend() -> str | None:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1 runs Triton kernels on the CPU (tests only)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tp_all_reduce() -> str:
+    """JETSERVE_TP_ALL_REDUCE: how tensor-parallel ranks sum small (decode-sized) tensors on GPUs: `nccl` (default) or
+    `one-shot` (PyTorch symmetric memory over NVLink: every rank reads its peers' buffers in one kernel; messages
+    past `group.ONE_SHOT_MAX_BYTES` still go through NCCL)."""
+    value = os.environ.get("JETSERVE_TP_ALL_REDUCE", "nccl") or "nccl"
+    if value not in ("nccl", "one-shot"):
+        raise ValueError(f"JETSERVE_TP_ALL_REDUCE: {value!r} is not one of nccl, one-shot")
+    return value

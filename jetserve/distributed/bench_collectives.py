@@ -1,8 +1,11 @@
 """The collectives of a tensor-parallel decode step, measured: NCCL all-reduce bus bandwidth (large messages), and
 per batch size the communication of one decode step (2 all-reduces per layer and one for the embedding of
-[B, hidden], the logits all-gather of [B, vocab / ranks]) replayed as one CUDA graph, beside its bandwidth bound.
+[B, hidden], the logits all-gather of [B, vocab / ranks]) replayed as one CUDA graph, beside its bandwidth bound;
+for each all-reduce kind asked for (`nccl`, `one-shot`: see `jetserve.envs.tp_all_reduce`), each checked for the
+right sum first.
 
-    python -m jetserve.distributed.bench_collectives --config 2b --tensor-parallel-size 2 --batch-sizes 1,8,64,256
+    python -m jetserve.distributed.bench_collectives --config 2b --tensor-parallel-size 2 --batch-sizes 1,8,64,256 \
+        --all-reduce nccl,one-shot
 """
 
 from __future__ import annotations
@@ -77,13 +80,33 @@ def decode_step_collectives(group: TensorParallelGroup, config: ModelConfig, bat
     }
 
 
+def check_sum(group: TensorParallelGroup, numel: int, dtype: torch.dtype) -> None:
+    """Rank r contributes r + 1 + (index mod 7): every element must come back as the sum over the ranks."""
+    n = group.world_size
+    pattern = torch.arange(numel, device=group.device) % 7  # [numel]
+    x = (pattern + group.rank + 1).to(dtype)
+    group.all_reduce(x)
+    want = (n * pattern + n * (n + 1) // 2).to(dtype)
+    if not torch.equal(x, want):
+        raise AssertionError(f"all-reduce of {numel} elements: wrong sum on rank {group.rank}")
+
+
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     device = torch.device("cuda", rank)
     group = init_tensor_parallel(rank, args.tensor_parallel_size, port, device)
     config = ModelConfig.from_dict(preset_config(args.config))
     dtype = torch.bfloat16
     busbw = bus_bandwidth(group, dtype)
-    rows = [decode_step_collectives(group, config, b, dtype) for b in args.batch_sizes]
+    rows = []
+    buffer = group.one_shot_buffer
+    for kind in args.all_reduce:
+        if kind == "one-shot" and buffer is None:
+            group.enable_one_shot()  # collective: every rank runs the same kinds in the same order
+            buffer = group.one_shot_buffer
+        group.one_shot_buffer = buffer if kind == "one-shot" else None
+        for b in args.batch_sizes:
+            check_sum(group, b * config.hidden_size, dtype)
+            rows.append(decode_step_collectives(group, config, b, dtype) | {"all_reduce": kind})
     if group.is_first:
         for row in rows:
             row["bus_bandwidth_gb_s"] = round(busbw / 1e9, 1)
@@ -100,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="2b", help="tiny | 2b | 4b | config JSON (sizes only)")
     p.add_argument("--tensor-parallel-size", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,8,64,256")
+    p.add_argument("--all-reduce", default="nccl,one-shot", help="all-reduce kinds to measure: nccl, one-shot")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    args.all_reduce = [x.strip() for x in args.all_reduce.split(",") if x.strip()]
+    if not args.all_reduce or set(args.all_reduce) - {"nccl", "one-shot"}:
+        raise SystemExit(f"--all-reduce: {','.join(args.all_reduce)!r} must list nccl and/or one-shot")
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.tensor_parallel_size:
         raise SystemExit(f"needs {args.tensor_parallel_size} CUDA GPUs")
     mp.spawn(_rank, args=(args, free_port()), nprocs=args.tensor_parallel_size)

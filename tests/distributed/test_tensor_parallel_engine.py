@@ -137,3 +137,16 @@ def test_a_rank_that_dies_stops_rank_0_with_a_message(tiny_checkpoint, tmp_path)
                           timeout=240, env=env)  # fmt: skip
     assert proc.returncode == 1 and "built" not in proc.stdout, proc.stderr[-2000:]
     assert "tensor-parallel rank 1" in proc.stderr and "exited with status 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tp_all_reduce_setting(monkeypatch):
+    """JETSERVE_TP_ALL_REDUCE: nccl by default, one-shot on request, anything else a one-line error."""
+    from jetserve import envs
+
+    monkeypatch.delenv("JETSERVE_TP_ALL_REDUCE", raising=False)
+    assert envs.tp_all_reduce() == "nccl"
+    monkeypatch.setenv("JETSERVE_TP_ALL_REDUCE", "one-shot")
+    assert envs.tp_all_reduce() == "one-shot"
+    monkeypatch.setenv("JETSERVE_TP_ALL_REDUCE", "ring")
+    with pytest.raises(ValueError, match="JETSERVE_TP_ALL_REDUCE: 'ring' is not one of nccl, one-shot"):
+        envs.tp_all_reduce()

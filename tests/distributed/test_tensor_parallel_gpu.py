@@ -37,9 +37,15 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list:
     return [final[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("preset", ["2b", "4b"])
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
-def test_tp2_equals_tp1_in_bf16(tmp_path, preset, enforce_eager):
+CASES = [(preset, eager, "nccl") for preset in ("2b", "4b") for eager in (True, False)] + [("2b", False, "one-shot")]
+
+
+@pytest.mark.parametrize(
+    ("preset", "enforce_eager", "all_reduce"), CASES,
+    ids=[f"{p}-{'eager' if e else 'cuda_graphs'}-{k}" for p, e, k in CASES],
+)  # fmt: skip
+def test_tp2_equals_tp1_in_bf16(tmp_path, monkeypatch, preset, enforce_eager, all_reduce):
+    monkeypatch.setenv("JETSERVE_TP_ALL_REDUCE", all_reduce)  # the ranks' processes inherit it
     start = time.perf_counter()
 
     def progress(what: str) -> None:  # with -s: where the time goes (the 2B case ran past 166 s on an H200 unexplained)

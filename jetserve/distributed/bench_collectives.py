@@ -66,6 +66,10 @@ def decode_step_collectives(group: TensorParallelGroup, config: ModelConfig, bat
         step()
     seconds = _timed(graph.replay, 50)
     n = group.world_size
+    hidden.fill_(1.0)  # one replay from ones: every element must be n ** num_all_reduce (exact in bf16 up to 2^127)
+    graph.replay()
+    if not torch.equal(hidden, torch.full_like(hidden, float(n) ** num_all_reduce)):
+        raise AssertionError(f"graph-captured all-reduces at batch {batch}: wrong sums on rank {group.rank}")
     reduce_bytes = num_all_reduce * hidden.numel() * dtype.itemsize
     gather_bytes = logits.numel() * dtype.itemsize * n
     return {

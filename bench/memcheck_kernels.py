@@ -2,7 +2,8 @@
 
 Before the kernels run, a large buffer is allocated and freed so that the caching allocator hands the kernels reused
 memory (fla-core 0.6.0's fused recurrent kernel crashed only then). Sizes are the benchmark's, shrunk (`small`) except
-for decode, which runs at batch 1, 64 and 256.
+for decode, which runs at batch 1, 64 and 256. Arguments, if any, keep only the cases whose name holds one of them
+(e.g. `python bench/memcheck_kernels.py linear`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from common import SHAPES, all_cases
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cuda":
@@ -27,6 +28,8 @@ def main() -> int:
         decode = all_cases(SHAPES[model], dtype, device, small=False)
         cases |= {name: build for name, build in decode.items() if "decode" in name and "ctx=4096" not in name}
         for name, build in cases.items():
+            if argv and not any(part in name for part in argv):
+                continue
             fn, _, _ = build()
             fn()
             if device == "cuda":
@@ -38,4 +41,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -36,7 +36,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
-from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, norm_linear, swiglu_linear  # noqa: E402
+from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import sample  # noqa: E402
 
@@ -313,26 +313,8 @@ def linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int) -
 def fused_linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int) -> Case:
     """The skinny GEMM's fused modes as the model calls them: the JetBlock input projection with SiLU on q|k|h
     ("jet in silu"), the MLP's SwiGLU + down projection ("swiglu down"), the JetBlock's gated output norm + o_proj
-    ("gated-norm o"), and the decoder layer's RMSNorm (with the residual add) in the input projection's prologue:
-    the JetBlock's with SiLU on q|k|h ("norm jet in silu"), attention q|k|v with its bias and no residual, as at
-    layer 0 ("norm attn qkv"), the MLP's gate|up ("norm gate|up")."""
+    ("gated-norm o")."""
     key_dim, value_dim = s.jet_heads * s.key_dim, s.channels
-    if kind.startswith("norm "):
-        n = {
-            "norm jet in silu": 2 * key_dim + 2 * value_dim + 2 * s.jet_heads + s.generator,
-            "norm attn qkv": (s.heads + 2 * s.kv_heads) * s.head_dim,
-            "norm gate|up": 2 * s.mlp,
-        }[kind]
-        k = s.hidden
-        x, norm_w = _randn(m, k, dtype=dtype, device=device), _randn(k, dtype=dtype, device=device)
-        w = _randn(n, k, dtype=dtype, device=device, scale=k**-0.5)
-        has_residual = kind != "norm attn qkv"
-        r = _randn(m, k, dtype=dtype, device=device) if has_residual else None
-        b = _randn(n, dtype=dtype, device=device) if kind == "norm attn qkv" else None
-        silu_cols = 2 * key_dim + s.generator if kind == "norm jet in silu" else 0
-        moved = _nbytes(*(t for t in (x, r, norm_w, w, b) if t is not None)) + m * n * dtype.itemsize
-        moved += m * k * dtype.itemsize if has_residual else 0  # the new residual written
-        return lambda: norm_linear(x, r, norm_w, 1e-6, w, b, silu_cols=silu_cols), moved, 2 * m * n * k
     if kind == "jet in silu":
         n, k = 2 * key_dim + 2 * value_dim + 2 * s.jet_heads + s.generator, s.hidden
         x, w = _randn(m, k, dtype=dtype, device=device), _randn(n, k, dtype=dtype, device=device, scale=k**-0.5)
@@ -399,7 +381,7 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
             cases[f"rope expanded positions T={n}"] = lambda n=n: rope_expanded_case(s, dtype, device, n)
         for kind in ("jet in", "gate|up", "down", "logits"):
             cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: linear_case(s, dtype, device, kind, n)
-        for kind in ("jet in silu", "swiglu down", "gated-norm o", "norm jet in silu", "norm attn qkv", "norm gate|up"):
+        for kind in ("jet in silu", "swiglu down", "gated-norm o"):
             cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: fused_linear_case(s, dtype, device, kind, n)
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
     for t in prefill_tokens:

@@ -1,18 +1,17 @@
 """Inference-time fusion of the projections that read the same input (q/k/v, the JetBlock's seven, gate/up): one weight
 per group, of which the group's nn.Linear modules keep owning row views, so names, state_dict and sharding stay as they
-are. `fuse_projections` is the last step of every inference construction path (after dtype, device and TP sharding).
-At decode the group's GEMM can also take the decoder layer's RMSNorm in its prologue (`DeferredNorm`)."""
+are. `fuse_projections` is the last step of every inference construction path (after dtype, device and TP sharding)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch import nn
 
-from jetserve.ops.linear import linear, norm_linear
+from jetserve.ops.linear import linear
 
 logger = logging.getLogger(__name__)
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -32,20 +31,6 @@ class FusedWeights:
         return _pointers(linears) == self.pointers
 
 
-@dataclass(eq=False)
-class DeferredNorm:
-    """`rms_norm(hidden + residual, weight, eps)` not yet computed: what a decoder layer hands its mixer or MLP at
-    decode, so that the input projections' one GEMM normalises in its prologue (`ops.linear.norm_linear`) and no norm
-    launch runs. That GEMM must be the input's only reader; it sets `new_residual` (hidden + residual rounded, or
-    hidden itself when residual is None), the residual stream the layer carries on."""
-
-    hidden: torch.Tensor  # [T, D]: the previous block's output (the embedding at layer 0)
-    residual: torch.Tensor | None  # [T, D], None at layer 0
-    weight: torch.Tensor  # [D]: the RMSNorm's
-    eps: float
-    new_residual: torch.Tensor | None = field(default=None, init=False)  # [T, D], set by `InputProjections.project`
-
-
 class InputProjections:
     """Mixin of a module whose `input_projections()` all read the same x. `project(x)` is their outputs side by side
     in `input_projections()` order, as one GEMM: over the fused weight once `fuse_projections` has run, else over the
@@ -57,24 +42,18 @@ class InputProjections:
     def input_projections(self) -> tuple[nn.Linear, ...]:
         raise NotImplementedError
 
-    def project(self, x: torch.Tensor | DeferredNorm, silu_cols: int = 0) -> torch.Tensor:
-        """x [T, in] → [T, Σ out], SiLU on output columns [0, silu_cols) (in the GEMM's epilogue on the Triton path).
-        A `DeferredNorm` x is normalised in the GEMM's prologue, and its `new_residual` set."""
+    def project(self, x: torch.Tensor, silu_cols: int = 0) -> torch.Tensor:
+        """x [T, in] → [T, Σ out], SiLU on output columns [0, silu_cols) (in the GEMM's epilogue on the Triton path)."""
         linears = self.input_projections()
         fused = self.fused_input
         if fused is not None and not fused.is_current(linears):
             logger.warning("%s: parameters replaced after fuse_projections; unfused until it runs again", _name(self))
             self.fused_input = fused = None  # drop the stale copy: its storage is no longer the parameters'
         if fused is not None and not (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
-            weight, bias = fused.weight, fused.bias
-        else:
-            weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
-            bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
-        if not isinstance(x, DeferredNorm):
-            return linear(x, weight, bias, silu_cols=silu_cols)
-        assert x.new_residual is None, f"{_name(self)}: a DeferredNorm is read by one projection GEMM only"
-        y, x.new_residual = norm_linear(x.hidden, x.residual, x.weight, x.eps, weight, bias, silu_cols=silu_cols)
-        return y
+            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols)
+        weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
+        bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
+        return linear(x, weight, bias, silu_cols=silu_cols)
 
     def fuse_input_projections(self) -> None:
         """Concatenate the group's weights (and biases) into one tensor and re-point each Linear's parameters at its

@@ -11,7 +11,7 @@ from jetserve.model.forward_batch import ForwardBatch
 from jetserve.model.jet_block import JetBlock
 from jetserve.model.layers import MLP, RMSNorm
 from jetserve.ops.attention import rope_cos_sin
-from jetserve.ops.linear import logits_linear, norm_linear_is_fused
+from jetserve.ops.linear import logits_linear
 
 # Parameters that stay fp32 whatever the model dtype (the official code upcasts them too).
 FP32_PARAMETERS = ("A_log", "dt_bias")
@@ -30,16 +30,6 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None)."""
-        if norm_linear_is_fused(hidden):
-            # Decode-sized on Triton: each norm (with its residual add) runs in the prologue of the first GEMM of the
-            # mixer and of the MLP, the only reader of the normed x in each, so the layer launches no norm kernel.
-            x = self.input_layernorm.defer(hidden, residual)
-            hidden = self.self_attn(x, fb)
-            assert x.new_residual is not None, f"layer {self.self_attn.layer_id}: the mixer left its input unread"
-            x = self.post_attention_layernorm.defer(hidden, x.new_residual)
-            hidden = self.mlp(x)
-            assert x.new_residual is not None, f"layer {self.self_attn.layer_id}: the MLP left its input unread"
-            return hidden, x.new_residual
         if residual is None:
             residual = hidden
             x = self.input_layernorm(hidden)

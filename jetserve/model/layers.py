@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jetserve.model.fusion import DeferredNorm, InputProjections
+from jetserve.model.fusion import InputProjections
 from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
 from jetserve.ops.norm import rms_norm
 
@@ -43,10 +43,6 @@ class RMSNorm(nn.Module):
         """`x` [T, D]; with `residual` [T, D] returns (norm(x + residual), x + residual)."""
         return rms_norm(x, self.weight, self.eps, residual)
 
-    def defer(self, x: torch.Tensor, residual: torch.Tensor | None) -> DeferredNorm:
-        """This norm of `x + residual` (x alone when residual is None), left to the one GEMM that reads it."""
-        return DeferredNorm(x, residual, self.weight, self.eps)
-
 
 class MLP(InputProjections, nn.Module):
     """SwiGLU: down(silu(gate x) * up x), no biases; gate and up are one GEMM (`InputProjections`)."""
@@ -60,7 +56,6 @@ class MLP(InputProjections, nn.Module):
     def input_projections(self) -> tuple[nn.Linear, ...]:
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor | DeferredNorm) -> torch.Tensor:
-        """x [T, hidden], normalised, or a `DeferredNorm` (decode) that the gate|up GEMM normalises."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.project(x)  # [T, 2I]
         return self.down_proj.forward_swiglu(gate_up)  # [T, hidden]: down(silu(gate) * up)

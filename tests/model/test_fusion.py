@@ -4,9 +4,6 @@ when parameters are replaced after fusion, and let autograd reach every weight."
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,50 +127,6 @@ def test_triton_model_equals_reference_model(tiny_checkpoint):
         set_backend(None)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
-
-
-def test_decode_layers_normalise_in_the_projection_gemm(tiny_checkpoint, monkeypatch):
-    """On Triton, a decode-sized step's decoder layers leave both their norms (with the residual adds) to the prologue
-    of the mixer's and the MLP's input-projection GEMM (`ops.linear.norm_linear`): no norm launch but the final one,
-    and the logits and EAGLE-3 features of layers that normalise first. Prefill keeps its norm launches."""
-    if not envs.triton_interpret():
-        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
-    from jetserve.model import jet_nemotron, layers
-    from jetserve.ops.linear import kernels
-
-    model = load_model(tiny_checkpoint, dtype="float32")
-    num_layers = model.config.num_hidden_layers
-    calls = collections.Counter()
-    norm_linear, rms_norm = kernels.norm_linear, layers.rms_norm
-    monkeypatch.setattr(kernels, "norm_linear", lambda *a, **kw: calls.update(["norm_linear"]) or norm_linear(*a, **kw))
-    monkeypatch.setattr(layers, "rms_norm", lambda *a, **kw: calls.update(["rms_norm"]) or rms_norm(*a, **kw))
-
-    def run_steps() -> tuple[list[torch.Tensor], list[dict[str, int]]]:
-        """Logits and captured features of a prefill and two decode steps, and the norm calls of each step."""
-        cache = StaticCache(model, 2, 64, page_size=8)
-        out, counts = [], []
-        with torch.inference_mode():
-            for tokens in ([random_tokens(19, 0), random_tokens(6, 1)], [[3], [40]], [[4], [41]]):
-                calls.clear()
-                fb = dataclasses.replace(cache.batch([0, 1], tokens), capture_layers=(0, 1, num_layers - 1))
-                out += [model.compute_logits(model(fb)), *model.aux_hidden_states]
-                counts.append(dict(calls))
-        return out, counts
-
-    set_backend("triton")
-    try:
-        fused, fused_counts = run_steps()
-        monkeypatch.setattr(jet_nemotron, "norm_linear_is_fused", lambda x: False)
-        unfused, unfused_counts = run_steps()
-    finally:
-        set_backend(None)
-    separate_norms = {"rms_norm": 2 * num_layers + 1}
-    assert fused_counts[0] == unfused_counts[0] == separate_norms  # prefill: 25 rows, past GEMV_MAX_ROWS
-    assert fused_counts[1:] == [{"norm_linear": 2 * num_layers, "rms_norm": 1}] * 2  # decode: the final norm only
-    assert unfused_counts[1:] == [separate_norms] * 2
-    assert len(fused) == 3 * 4
-    for a, b in zip(fused, unfused, strict=True):  # only the mean square's summation order differs
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_fusing_twice_changes_nothing(tiny_checkpoint):

@@ -12,7 +12,6 @@ from jetserve import envs
 from jetserve.ops import backend
 from jetserve.ops.linear import GEMV_MAX_ROWS, logits_linear
 from jetserve.ops.linear import linear as dispatched_linear
-from jetserve.ops.linear import norm_linear as dispatched_norm_linear
 from jetserve.ops.linear import reference as ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,143 +237,6 @@ def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, dtype, num_rows
     assert_matches(kernels.swiglu_linear(gate_up, weight, tiling=t), swiglu_input(gate_up), weight, None)
 
 
-def norm_input(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the row-norm mode multiplies, and the residual stream it returns: `rms_norm` of x + residual (x alone
-    without a residual), in x.dtype."""
-    from jetserve.ops.norm.reference import rms_norm
-
-    if residual is None:
-        return rms_norm(x, norm_weight, eps), x
-    return rms_norm(x, norm_weight, eps, residual)
-
-
-def test_norm_linear_reference_and_checks() -> None:
-    x, residual, norm_weight = randn(3, 40, seed=80), randn(3, 40, seed=81, scale=4.0), randn(40, seed=82)
-    weight, bias = randn(7, 40, seed=83), randn(7, seed=84)
-    y, h = ref.norm_linear(x, residual, norm_weight, 1e-6, weight, bias, silu_cols=3)
-    normed, want_h = norm_input(x, residual, norm_weight, 1e-6)
-    assert torch.equal(h, want_h) and torch.equal(h, x + residual)
-    assert torch.equal(y, ref.linear(normed, weight, bias, silu_cols=3))
-    y, h = ref.norm_linear(x, None, norm_weight, 1e-6, weight)
-    assert h is x and torch.equal(y, ref.linear(norm_input(x, None, norm_weight, 1e-6)[0], weight))
-    with pytest.raises(ValueError, match="weight must be \\[D\\]"):
-        ref.norm_linear(x, residual, randn(39), 1e-6, weight)
-    with pytest.raises(ValueError, match="residual"):
-        ref.norm_linear(x, residual[:, :39], norm_weight, 1e-6, weight)
-    with pytest.raises(ValueError, match="weight must be \\[N, K\\]"):
-        ref.norm_linear(x, residual, norm_weight, 1e-6, weight[:, :39])
-
-
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize("num_rows", [1, 3, 16])
-@pytest.mark.parametrize("has_residual", [False, True])
-@pytest.mark.parametrize(
-    "n, k, has_bias, silu_cols, tiling",
-    [
-        (37, 200, False, 0, None),  # the heuristic's pick; K is no multiple of the tile
-        (300, 64, True, 100, None),  # a bias and SiLU columns (attention q|k|v, the JetBlock's q|k|h)
-        (37, 200, True, 5, (16, 16, 32, 3, False)),  # FMA, split K (ragged): every split normalises, each writes h
-        (37, 200, False, 0, (16, 16, 32, 1, True)),  # tensor-core tile, one split, ragged K
-        (300, 64, True, 17, (16, 32, 16, 2, True)),  # tensor-core tile, split K, K a multiple of the tile
-    ],
-)
-def test_norm_linear_kernel_matches_reference(
-    kernels, dtype, num_rows, has_residual, n, k, has_bias, silu_cols, tiling
-) -> None:
-    """The decoder layer's pre-norm in the prologue: h = x + residual rounded to x.dtype (exactly the reference's),
-    its RMSNorm over all of K rounded as rms_norm rounds it, times the weight (+ bias, SiLU columns). x and residual
-    are column slices of wider tensors (strided rows)."""
-    wide = randn(num_rows, k + 7, dtype=dtype, seed=85, scale=2.0).to(DEVICE)
-    x = wide[:, 3 : 3 + k]  # [M, K], row stride K + 7
-    residual = randn(num_rows, k + 1, dtype=dtype, seed=86, scale=5.0).to(DEVICE)[:, 1:] if has_residual else None
-    norm_weight = randn(k, dtype=dtype, seed=87).to(DEVICE)
-    weight = randn(n, k, dtype=dtype, seed=88, scale=k**-0.5).to(DEVICE)
-    bias = randn(n, dtype=dtype, seed=89).to(DEVICE) if has_bias else None
-    t = kernels.GemvTiling(*tiling) if tiling else None
-    y, h = kernels.norm_linear(x, residual, norm_weight, 1e-5, weight, bias, silu_cols=silu_cols, tiling=t)
-    normed, want_h = norm_input(x, residual, norm_weight, 1e-5)
-    if has_residual:
-        assert h.shape == x.shape and torch.equal(h, want_h)
-    else:
-        assert h is x
-    exact = with_silu(expected(normed, weight, bias), silu_cols)
-    assert y.dtype == dtype and torch.isfinite(y).all()
-    scale = exact.pow(2).mean().sqrt().item()
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(y.double() / scale, exact / scale, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize("tiling", [None, (16, 16, 32, 1, True), (4, 4, 16, 2, False)])
-def test_norm_linear_kernel_rounds_as_rms_norm(kernels, dtype, tiling) -> None:
-    """Times the identity, the product is the normed input itself: the prologue's rounding is rms_norm's (h rounded,
-    fp32 statistics, the weight applied before the one rounding); only the order of the mean square's sum differs."""
-    k = 72
-    x = randn(3, k, dtype=dtype, seed=90, scale=3.0).to(DEVICE)
-    residual = randn(3, k, dtype=dtype, seed=91, scale=3.0).to(DEVICE)
-    norm_weight = randn(k, dtype=dtype, seed=92).to(DEVICE)
-    identity = torch.eye(k, dtype=dtype, device=DEVICE)
-    t = kernels.GemvTiling(*tiling) if tiling else None
-    y, _ = kernels.norm_linear(x, residual, norm_weight, 1e-6, identity, tiling=t)
-    normed, _ = norm_input(x, residual, norm_weight, 1e-6)
-    assert (y == normed).float().mean() > 0.97
-    ulp = torch.finfo(dtype).eps
-    torch.testing.assert_close(y, normed, rtol=ulp, atol=ulp)
-
-
-def test_norm_linear_kernel_leading_dims_and_row_blocks(kernels) -> None:
-    """x with leading dims; more rows than one launch holds (row blocks of MAX_BLOCK_M, each writing its h rows)."""
-    for shape in [(2, 3, 24), (kernels.MAX_BLOCK_M + 3, 24)]:
-        x = randn(*shape, seed=93).to(DEVICE)
-        residual = randn(*shape, seed=94).to(DEVICE)
-        norm_weight = randn(24, seed=95).to(DEVICE)
-        weight = randn(10, 24, seed=96, scale=24**-0.5).to(DEVICE)
-        y, h = kernels.norm_linear(x, residual, norm_weight, 1e-6, weight)
-        normed, want_h = norm_input(x, residual, norm_weight, 1e-6)
-        assert y.shape == (*shape[:-1], 10) and torch.equal(h, want_h)
-        assert_matches(y.reshape(-1, 10), normed.reshape(-1, 24), weight, None)
-    y, h = kernels.norm_linear(x[:0], residual[:0], norm_weight, 1e-6, weight)
-    assert y.shape == (0, 10) and h.shape == (0, 24)
-
-
-def test_norm_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One Triton launch for 1..GEMV_MAX_ROWS rows without autograd when the backend allows it; otherwise rms_norm
-    then linear (each dispatched), with the reference's results."""
-    from jetserve.ops.linear import kernels as module
-    from jetserve.ops.linear import norm_linear_is_fused
-
-    calls = []
-    monkeypatch.setattr(
-        module, "norm_linear", lambda x, *a, **kw: calls.append(x.shape) or ref.norm_linear(x, *a, **kw)
-    )
-    monkeypatch.setattr(backend, "_forced", None)
-    norm_weight, weight = randn(8, seed=97), randn(6, 8, seed=98)
-    backend.set_backend("triton")
-    try:
-        interpreted = envs.triton_interpret() or DEVICE == "cuda"
-        for num_rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
-            x, residual = randn(num_rows, 8, seed=99), randn(num_rows, 8, seed=100)
-            y, h = dispatched_norm_linear(x, residual, norm_weight, 1e-6, weight)
-            want_y, want_h = ref.norm_linear(x, residual, norm_weight, 1e-6, weight)
-            assert torch.equal(h, want_h)
-            torch.testing.assert_close(y, want_y)  # Triton's norm or skinny GEMM: the same to fp32 rounding
-            assert norm_linear_is_fused(x) == (interpreted and num_rows <= GEMV_MAX_ROWS)
-        assert calls == ([(1, 8), (GEMV_MAX_ROWS, 8)] if interpreted else [])
-        calls.clear()
-        trainable = weight.clone().requires_grad_(True)
-        y, _ = dispatched_norm_linear(randn(1, 8), None, norm_weight, 1e-6, trainable)  # autograd: the unfused ops
-        y.sum().backward()
-        assert calls == [] and trainable.grad is not None
-        backend.set_backend("reference")
-        assert not norm_linear_is_fused(randn(1, 8))
-        dispatched_norm_linear(randn(1, 8), None, norm_weight, 1e-6, weight)
-        assert calls == []
-    finally:
-        backend.set_backend(None)
-
-
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 def test_linear_kernel_strided_rows(kernels, dtype: torch.dtype) -> None:
     """x a column slice of a wider tensor (row stride > K, unit stride along K), e.g. one part of a fused output."""
@@ -446,9 +308,6 @@ def test_fit_pipeline_keeps_the_stages_in_shared_memory() -> None:
             if wide.use_dot:  # bf16 with the norm prologue: unchanged (it compiled at 4 stages)
                 assert fit_pipeline(wide, 2, False, norm) == wide
                 assert fit_pipeline(wide, 4, False, norm).num_stages < wide.num_stages
-            # the row-norm prologue with a residual holds two x tiles per stage, like the gated prologues
-            for size in (2, 4):
-                assert fit_pipeline(wide, size, False, None, has_residual=True) == fit_pipeline(wide, size, True, None)
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -618,82 +477,3 @@ def test_gated_norm_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -
     weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
     actual = kernels.gated_norm_linear(o, gate, norm_weight, 1e-5, weight)
     assert_matches(actual, gated_norm_input(o, gate, norm_weight, 1e-5), weight, None)
-
-
-# The input projections a decoder layer's RMSNorm feeds at decode, and their SiLU columns (the JetBlock's q|k|h).
-NORM_LINEAR_GPU_CASES = {
-    "2b jet q|k|v|a|b|g|w1": 2 * 1152 + 384,
-    "2b attn q|k|v": 0,
-    "2b mlp gate|up": 0,
-    "4b jet q|k|v|a|b|g|w1": 2 * 2048 + 512,
-    "4b mlp gate|up": 0,
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", list(NORM_LINEAR_GPU_CASES))
-@pytest.mark.parametrize("num_rows", [1, 2, 5, 16])
-@pytest.mark.parametrize("has_residual", [False, True])
-def test_norm_linear_kernel_real_shapes_bf16(kernels, name: str, num_rows: int, has_residual: bool) -> None:
-    n, k = GPU_SHAPES[name]
-    silu_cols = NORM_LINEAR_GPU_CASES[name]
-    gen = torch.Generator(device="cuda").manual_seed(num_rows)
-    x = torch.randn(num_rows, k, device="cuda", generator=gen).to(torch.bfloat16)
-    residual = (torch.randn(num_rows, k, device="cuda", generator=gen) * 4).to(torch.bfloat16) if has_residual else None
-    norm_weight = torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
-    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) if "attn" in name else None
-    y, h = kernels.norm_linear(x, residual, norm_weight, 1e-6, weight, bias, silu_cols=silu_cols)
-    normed, want_h = norm_input(x, residual, norm_weight, 1e-6)
-    assert torch.equal(h, want_h) and (has_residual or h is x)
-    exact = with_silu(expected(normed, weight, bias), silu_cols)
-    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    scale = exact.pow(2).mean().sqrt().item()
-    tol = TOLERANCE[torch.bfloat16]
-    torch.testing.assert_close(y.double() / scale, exact / scale, rtol=tol, atol=tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("hidden", [1536, 2048])
-@pytest.mark.parametrize("num_rows", [1, 5, 16])
-def test_norm_linear_kernel_rounds_as_rms_norm_bf16(kernels, hidden: int, num_rows: int) -> None:
-    """Times the identity (N = K = the 2B/4B hidden size) the product is the prologue's normed input: rms_norm's
-    (reference and Triton) in bf16, up to the order of the mean square's sum."""
-    from jetserve.ops.norm import kernels as norm_kernels
-
-    gen = torch.Generator(device="cuda").manual_seed(hidden + num_rows)
-    x, residual = (torch.randn(num_rows, hidden, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
-    norm_weight = torch.randn(hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    identity = torch.eye(hidden, device="cuda", dtype=torch.bfloat16)
-    y, _ = kernels.norm_linear(x, residual, norm_weight, 1e-6, identity)
-    for normed in (
-        norm_input(x, residual, norm_weight, 1e-6)[0],
-        norm_kernels.rms_norm(x, norm_weight, 1e-6, residual)[0],
-    ):
-        assert (y == normed).float().mean() > 0.99
-        torch.testing.assert_close(y, normed, rtol=2**-7, atol=2**-7)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_norm_linear_kernel_in_cuda_graph(kernels) -> None:
-    """The row-norm launch captures and replays: the new residual and the product follow new inputs."""
-    n, k = GPU_SHAPES["2b mlp gate|up"]
-    x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    norm_weight = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    weight = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kernels.norm_linear(x, residual, norm_weight, 1e-6, weight)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y, h = kernels.norm_linear(x, residual, norm_weight, 1e-6, weight)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    want_y, want_h = kernels.norm_linear(x, residual, norm_weight, 1e-6, weight)
-    assert torch.equal(h, want_h) and torch.equal(y, want_y)

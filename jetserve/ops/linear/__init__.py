@@ -8,7 +8,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.linear import reference
-from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul
+from jetserve.ops.norm import gated_rms_norm, silu_and_mul
 
 GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs; past it, F.linear (cuBLAS)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,42 +57,11 @@ def gated_norm_linear(
     return linear(y.reshape(num_rows, width), weight)
 
 
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [M, K] (residual None at layer 0) → (`linear(rms_norm(h, norm_weight, eps), weight, bias,
-    silu_cols=silu_cols)` [M, N], h [M, K]) with h = x + residual (x itself when residual is None): a decoder layer's
-    pre-norm in the prologue of its mixer's or MLP's first GEMM, one Triton launch under the same conditions as
-    `linear` (no norm launch); else `rms_norm` then `linear`. See `reference.norm_linear`."""
-    if _takes_triton(x, weight, residual, norm_weight, bias):
-        from jetserve.ops.linear import kernels
-
-        return kernels.norm_linear(x, residual, norm_weight, eps, weight, bias, silu_cols=silu_cols)
-    if residual is None:
-        normed, h = rms_norm(x, norm_weight, eps), x  # [M, K] each
-    else:
-        normed, h = rms_norm(x, norm_weight, eps, residual)
-    return linear(normed, weight, bias, silu_cols=silu_cols), h
-
-
-def norm_linear_is_fused(x: torch.Tensor) -> bool:
-    """Whether `norm_linear` on x [M, K] (weights that need no gradient) runs as one Triton launch: where a decoder
-    layer hands its un-normalised input to the first projections rather than normalising it itself."""
-    return _takes_triton(x)
-
-
-def _takes_triton(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The Triton kernel's conditions: the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS rows (M = the product of x's
-    leading dims), a dtype it takes, and no autograd through x or `params` (the kernel has no backward)."""
+    leading dims), a dtype it takes, and no autograd (the kernel has no backward)."""
     num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return use_triton(x) and not needs_grad and 1 <= num_rows <= GEMV_MAX_ROWS and x.dtype in _TRITON_DTYPES
 
 
@@ -119,12 +88,4 @@ def _has_fp32_out_gemm(device: torch.device) -> bool:
     return out.dtype == torch.float32 and bool((out == 8).all())
 
 
-__all__ = [
-    "GEMV_MAX_ROWS",
-    "gated_norm_linear",
-    "linear",
-    "logits_linear",
-    "norm_linear",
-    "norm_linear_is_fused",
-    "swiglu_linear",
-]
+__all__ = ["GEMV_MAX_ROWS", "gated_norm_linear", "linear", "logits_linear", "swiglu_linear"]

@@ -4,8 +4,6 @@ tile once and multiplies it by all (≤ BLOCK_M) rows of x, accumulating in fp32
 tile as the wide operand, rows of x padded to 16) or, for one row, with FMAs reduced over K once after the loop. When
 too few programs cover N to fill the GPU, K is split too: each split writes fp32 partial sums and a second launch adds
 them in a fixed order (deterministic; no atomics, no host sync: the launch can be captured in a CUDA graph).
-Fused prologues form the GEMM's input on the fly: SwiGLU, the JetBlock's per-head gated RMSNorm, and a decoder layer's
-RMSNorm of (x + residual) over whole rows.
 """
 
 from __future__ import annotations
@@ -19,12 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.linear.reference import (
-    check_gated_norm_linear,
-    check_linear,
-    check_norm_linear,
-    check_swiglu_linear,
-)
+from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -32,7 +25,6 @@ MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (i
 INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
-STATS_TILE_ELEMENTS = 8192  # the row-norm prologue's first pass reads x (and the residual) in tiles this large
 
 
 @dataclass(frozen=True)
@@ -66,15 +58,10 @@ def _linear_kernel(
     stride_gm,
     norm_w,
     eps,
-    res,
-    new_res,
-    stride_rm,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
     NORM_HEAD: tl.constexpr,  # > 0: the input is gated_rms_norm(x, norm_w, gate) over heads of NORM_HEAD columns
-    NORM_ROW: tl.constexpr,  # the input is rms_norm(h, norm_w) over whole rows of K, h = x (+ res); h goes to new_res
-    HAS_RESIDUAL: tl.constexpr,  # NORM_ROW: h = x + res, rounded to x's dtype
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -83,7 +70,6 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_KS: tl.constexpr,  # NORM_ROW: the statistics pass's K tile
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,25 +83,6 @@ def _linear_kernel(
     r_n = tl.minimum(o_n, N - 1).to(tl.int64)
     p_w = w + r_n[:, None] * stride_wn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    if NORM_ROW:
-        # rms_norm needs each row's mean square over all of K before any tile is normalised: a first pass over the
-        # rows (few, and read again by every program from L2), with the residual add rounded as rms_norm rounds it.
-        # (Names of their own: a name the main loop assigns would be loop-carried, with this pass's tile shape.)
-        o_ks = tl.arange(0, BLOCK_KS)
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # Σ h² per row
-        for k_start in range(0, K, BLOCK_KS):
-            m_s = m_m[:, None] & ((k_start + o_ks) < K)[None, :]
-            p_xs = x + o_m.to(tl.int64)[:, None] * stride_xm + (k_start + o_ks)[None, :]  # [BLOCK_M, BLOCK_KS]
-            b_hs = tl.load(p_xs, mask=m_s, other=0.0)
-            if HAS_RESIDUAL:
-                p_rs = res + o_m.to(tl.int64)[:, None] * stride_rm + (k_start + o_ks)[None, :]
-                b_hs = (b_hs.to(tl.float32) + tl.load(p_rs, mask=m_s, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
-            b_hs = b_hs.to(tl.float32)
-            b_ss += tl.sum(b_hs * b_hs, axis=1)
-        b_rstd = 1.0 / tl.sqrt(b_ss / K + eps)  # [BLOCK_M], as ops.norm computes it; rows past M: times their zeros
-        # The residual's tiles, and h's, which each split of the first N tile writes over its range of K.
-        p_r = res + o_m.to(tl.int64)[:, None] * stride_rm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-        p_h = new_res + o_m.to(tl.int64)[:, None] * K + o_k[None, :]  # [BLOCK_M, BLOCK_K]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
@@ -127,26 +94,16 @@ def _linear_kernel(
                 b_x = tl.load(p_x)
                 if GATED:
                     b_up = tl.load(p_x + K)
-                if NORM_ROW and HAS_RESIDUAL:
-                    b_r = tl.load(p_r)
             else:
                 b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
                 if GATED:
                     b_up = tl.load(p_x + K, mask=m_m[:, None], other=0.0)
-                if NORM_ROW and HAS_RESIDUAL:
-                    b_r = tl.load(p_r, mask=m_m[:, None], other=0.0)
-            if NORM_ROW:
-                b_nw = tl.load(norm_w + o_k + i * BLOCK_K)
         else:
             m_k = (o_k + i * BLOCK_K) < K
             b_w = tl.load(p_w, mask=m_k[None, :], other=0.0)
             b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
             if GATED:
                 b_up = tl.load(p_x + K, mask=m_m[:, None] & m_k[None, :], other=0.0)
-            if NORM_ROW:
-                if HAS_RESIDUAL:
-                    b_r = tl.load(p_r, mask=m_m[:, None] & m_k[None, :], other=0.0)
-                b_nw = tl.load(norm_w + o_k + i * BLOCK_K, mask=m_k, other=0.0)
         if GATED:  # silu_and_mul's math and rounding: fp32, one rounding to x's dtype (0 where masked)
             b_gate = b_x.to(tl.float32)
             b_x = (b_gate * tl.sigmoid(b_gate) * b_up.to(tl.float32)).to(x.dtype.element_ty)
@@ -160,14 +117,6 @@ def _linear_kernel(
             b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
             b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
             b_x = (b_o * b_nw[None, :] * (b_g * tl.sigmoid(b_g))).to(x.dtype.element_ty)
-        if NORM_ROW:  # rms_norm's math and rounding: h rounded to x's dtype, weight * (h * rstd) in fp32, rounded
-            if HAS_RESIDUAL:
-                b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(x.dtype.element_ty)
-                m_h = m_m[:, None] & ((o_k + i * BLOCK_K) < K)[None, :] & (i_n == 0)
-                tl.store(p_h, b_x, mask=m_h)
-                p_r += BLOCK_K
-                p_h += BLOCK_K
-            b_x = (b_nw.to(tl.float32)[None, :] * (b_x.to(tl.float32) * b_rstd[:, None])).to(x.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
         else:
@@ -255,15 +204,12 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
     return GemvTiling(block_m, block_n, block_k, num_splits, use_dot, num_warps=4, num_stages=num_stages)
 
 
-def fit_pipeline(
-    t: GemvTiling, element_size: int, gated: bool, norm: tuple | None, has_residual: bool = False
-) -> GemvTiling:
+def fit_pipeline(t: GemvTiling, element_size: int, gated: bool, norm: tuple | None) -> GemvTiling:
     """Fewer pipeline stages where one stage's tiles (a weight tile, the rows' x tile, and the gate tile of a gated or
-    normed prologue, or the residual tile of the row-norm prologue) times the stages would not fit
-    PIPELINE_SMEM_BYTES: fp32 tiles are twice bf16's."""
+    normed prologue) times the stages would not fit PIPELINE_SMEM_BYTES: fp32 tiles are twice bf16's."""
     if not t.use_dot:
         return t
-    x_tiles = 1 + (gated or norm is not None or has_residual)
+    x_tiles = 1 + (gated or norm is not None)
     stage_bytes = (t.block_n + x_tiles * t.block_m) * t.block_k * element_size
     stages = max(1, min(t.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return t if stages == t.num_stages else dataclasses.replace(t, num_stages=stages)
@@ -318,37 +264,6 @@ def gated_norm_linear(
     return _linear(o, weight, None, t, gated=False, norm=norm)
 
 
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-    tiling: GemvTiling | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`h = x + residual` (rounded to x.dtype), `rms_norm(h, norm_weight, eps)` over whole rows (rounded to x.dtype),
-    then times weightᵀ (+ bias, SiLU on output columns [0, silu_cols)), in one launch: a decoder layer's pre-norm and
-    its mixer's or MLP's first GEMM. Every program first reads its rows over all of K for their mean square; the
-    first N tile's programs also write h. x, residual [M, K] (any leading dims; residual None: h = x), norm_weight
-    [K], weight [N, K], bias [N] or None → (y [M, N] in x.dtype, h [M, K]: a new tensor, or x itself when residual
-    is None); see `reference.norm_linear`."""
-    check_norm_linear(x, residual, norm_weight, weight, bias, silu_cols)
-    k = x.shape[-1]
-    if residual is None:
-        row_norm = (None, None, norm_weight.contiguous(), float(eps))
-        return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols, row_norm=row_norm), x
-    if weight.shape[0] == 0:  # no program would run to write h
-        return _linear(x, weight, bias, tiling, gated=False), x + residual
-    residual2 = residual.reshape(-1, k)  # [M, K]
-    residual2 = residual2 if residual2.stride(-1) == 1 else residual2.contiguous()
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
-    row_norm = (residual2, h.view(-1, k), norm_weight.contiguous(), float(eps))
-    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols, row_norm=row_norm), h
-
-
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -357,7 +272,6 @@ def _linear(
     gated: bool,
     silu_cols: int = 0,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
-    row_norm: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
@@ -370,19 +284,15 @@ def _linear(
     y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)  # [M, N]
     if num_rows == 0 or n == 0:
         return y.view(*lead, n)
-    if k == 0:  # an empty sum: the kernels' addressing assumes at least one column (and h has no columns)
+    if k == 0:  # an empty sum: the kernels' addressing assumes at least one column
         y.copy_(bias.expand(num_rows, n) if bias is not None else torch.zeros_like(y))
         if silu_cols:
             y[:, :silu_cols] = torch.nn.functional.silu(y[:, :silu_cols].float()).to(y.dtype)
         return y.view(*lead, n)
     for start in range(0, num_rows, MAX_BLOCK_M):
-        rows = slice(start, min(start + MAX_BLOCK_M, num_rows))
-        rows_norm = None if norm is None else (norm[0][rows], *norm[1:])
-        rows_row_norm = None  # (residual, h) rows of this block, or None without a residual
-        if row_norm is not None:
-            residual, h = (None, None) if row_norm[0] is None else (row_norm[0][rows], row_norm[1][rows])
-            rows_row_norm = (residual, h, *row_norm[2:])
-        _launch(x2[rows], weight, bias, y[rows], tiling, gated, silu_cols, rows_norm, rows_row_norm)
+        rows = min(MAX_BLOCK_M, num_rows - start)
+        rows_norm = None if norm is None else (norm[0][start : start + rows], *norm[1:])
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols, rows_norm)
     return y.view(*lead, n)
 
 
@@ -395,15 +305,10 @@ def _launch(
     gated: bool,
     silu_cols: int,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None,
-    row_norm: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, float] | None,
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
-    assert norm is None or row_norm is None, "one normalising prologue at a time"
-    residual = row_norm[0] if row_norm else None
-    norm_weight, eps = (norm[1], norm[2]) if norm else (row_norm[2], row_norm[3]) if row_norm else (x, 0.0)
-    t = tiling or choose_tiling(num_rows, n, k, sm_count(x.device))
-    t = fit_pipeline(t, x.element_size(), gated, norm, has_residual=residual is not None)
+    t = fit_pipeline(tiling or choose_tiling(num_rows, n, k, sm_count(x.device)), x.element_size(), gated, norm)
     if t.block_m < num_rows:
         raise ValueError(f"tiling: block_m {t.block_m} holds fewer than the {num_rows} rows of x")
     num_tiles = triton.cdiv(k, t.block_k)
@@ -426,17 +331,12 @@ def _launch(
         silu_cols,
         norm[0] if norm else x,
         norm[0].stride(0) if norm else 0,
-        norm_weight,
-        eps,
-        residual if residual is not None else x,
-        row_norm[1] if residual is not None else x,
-        residual.stride(0) if residual is not None else 0,
+        norm[1] if norm else x,
+        norm[2] if norm else 0.0,
         HAS_BIAS=bias is not None,
         HAS_SILU=silu_cols > 0,
         GATED=gated,
         NORM_HEAD=norm[3] if norm else 0,
-        NORM_ROW=row_norm is not None,
-        HAS_RESIDUAL=residual is not None,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,
@@ -445,7 +345,6 @@ def _launch(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
-        BLOCK_KS=max(t.block_k, min(triton.next_power_of_2(k), STATS_TILE_ELEMENTS // t.block_m)),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )

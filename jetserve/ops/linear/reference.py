@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jetserve.ops.norm.reference import check_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
+from jetserve.ops.norm.reference import gated_rms_norm, silu_and_mul
 
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_cols: int = 0) -> None:
@@ -50,20 +50,6 @@ def check_gated_norm_linear(
     check_linear(o, weight, None)
 
 
-def check_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu_cols: int = 0,
-) -> None:
-    """ValueError unless x [..., K], residual (None, or x's shape and dtype), norm_weight [K], weight [N, K] and bias
-    (None or [N]) fit together, and 0 ≤ silu_cols ≤ N."""
-    check_rms_norm(x, norm_weight, residual)
-    check_linear(x, weight, bias, silu_cols)
-
-
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
 ) -> torch.Tensor:
@@ -102,28 +88,6 @@ def gated_norm_linear(
     shape = (num_rows, width // head, head)  # [M, H, V]
     y = gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps)
     return F.linear(y.reshape(num_rows, width), weight)
-
-
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's pre-norm and its mixer's (or MLP's) first GEMM: `h = x + residual` in x.dtype (h = x when
-    residual is None: layer 0), `rms_norm(h, norm_weight, eps)` (fp32 statistics, one rounding to x.dtype), then
-    `linear(..., weight, bias, silu_cols=silu_cols)`. x, residual [M, K] (any leading dims) → (y [M, N], h [M, K]),
-    h being the new residual stream (x itself when residual is None)."""
-    check_norm_linear(x, residual, norm_weight, weight, bias, silu_cols)
-    if residual is None:
-        normed, h = rms_norm(x, norm_weight, eps), x  # [M, K] each
-    else:
-        normed, h = rms_norm(x, norm_weight, eps, residual)
-    return linear(normed, weight, bias, silu_cols=silu_cols), h
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.csv"
 nvidia-smi topo -m | tee "$OUT/topology.txt"
 for config in $CONFIGS; do
+  echo "== collectives of a TP=2 decode step, $config"
+  python3 -m jetserve.distributed.bench_collectives --config "$config" --tensor-parallel-size 2 \
+    --batch-sizes "$BATCH_SIZES" --all-reduce nccl,one-shot | tee "$OUT/collectives_${config}_tp2.jsonl"
   for run in tp1:1:nccl tp2:2:nccl tp2_oneshot:2:one-shot; do
     IFS=: read -r name tp kind <<<"$run"
     echo "== bench offline --config $config --tensor-parallel-size $tp (all-reduce: $kind)"
@@ -25,9 +28,6 @@ for config in $CONFIGS; do
       --tensor-parallel-size "$tp" --batch-sizes "$BATCH_SIZES" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
       --json | tee "$OUT/offline_${config}_${name}.jsonl"
   done
-  echo "== collectives of a TP=2 decode step, $config"
-  python3 -m jetserve.distributed.bench_collectives --config "$config" --tensor-parallel-size 2 \
-    --batch-sizes "$BATCH_SIZES" --all-reduce nccl,one-shot | tee "$OUT/collectives_${config}_tp2.jsonl"
 done
 # The TP=2 speed-up per batch size (NCCL and one-shot all-reduce), and what a TP=2 decode step's collectives take.
 python3 - "$OUT" <<'PY'
@@ -42,10 +42,11 @@ print(f"{'config':>6} {'batch':>6} {'TPOT tp1':>9} {'tp2 nccl':>9} {'tp2 1shot':
 for config in ("2b", "4b"):
     if not (out / f"collectives_{config}_tp2.jsonl").exists():
         continue
-    one, two, shot = (rows(f"offline_{config}_{n}.jsonl") for n in ("tp1", "tp2", "tp2_oneshot"))
+    one, two, shot = (rows(f"offline_{config}_{n}.jsonl") if (out / f"offline_{config}_{n}.jsonl").exists() else {}
+                      for n in ("tp1", "tp2", "tp2_oneshot"))
     nccl, oneshot = (rows(f"collectives_{config}_tp2.jsonl", k) for k in ("nccl", "one-shot"))
-    for b in sorted(one):
-        t1 = one[b]["tpot_ms"]
+    for b in sorted(nccl):
+        t1 = one.get(b, {}).get("tpot_ms", nan)
         t2, t3 = (r.get(b, {}).get("tpot_ms", nan) for r in (two, shot))
         c1, c2 = (r.get(b, {}).get("step_collectives_us", nan) for r in (nccl, oneshot))
         bound = nccl.get(b, {}).get("bandwidth_bound_us", nan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -136,11 +137,24 @@ class TensorParallelEngine(LLMEngine):
         try:
             self.group.broadcast_object(StepMessage(is_stop=True))
         finally:
+            # Leave the group while the other ranks leave theirs (NCCL's teardown waits for every rank: joining them
+            # first hung until they were killed, and then for good), then reap their processes.
+            self.leave_group()
             for worker in self._workers:
                 worker.join(30)
                 if worker.is_alive():
                     worker.kill()
-            self.group.destroy()
+
+    def leave_group(self) -> None:
+        """Drop the CUDA graphs (their captured collectives hold the communicator), wait for the device, and leave
+        the process group: every rank's last act."""
+        self.runner.graph_runner = None
+        if self.spec is not None:
+            self.spec.graphs = None
+        gc.collect()
+        if self.group.device.type == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        self.group.destroy()
 
     # ---- the other ranks ----
 
@@ -203,7 +217,7 @@ def _worker_main(
     try:
         engine.serve_steps()
     finally:
-        group.destroy()
+        engine.leave_group()
 
 
 def build_engine(

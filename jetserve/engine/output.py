@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from jetserve.engine.sequence import Sequence, TokenLogprobs
@@ -19,13 +19,17 @@ class RequestOutput:
     `finish_reason` is "stop" (EOS, stop token or stop string; `stop_reason` names the token id or string, None for
     EOS), "length" or "abort". `prompt_logprobs` (position 0 has none) and `logprobs` are the whole lists so far,
     `new_logprobs` those of `new_token_ids`.
+
+    `output_token_ids` (every output token so far) is sliced when read, out of the sequence's token list (which only
+    grows): copying it into every request's output at every step made a decode step's host work grow with the output
+    length (batch 256 after 1000 tokens: 2.9 ms per step against 0.9 ms at the start, on this project's CPU machine).
+    Pickling (the data-parallel replicas send outputs to the front end) takes the slice, not the whole list.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     new_token_ids: list[int]
     new_text: str
-    output_token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None = None
@@ -34,6 +38,17 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_preemptions: int = 0
+    sequence_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)  # prompt ++ output, shared
+    output_span: tuple[int, int] = (0, 0)  # [start, end) of this output's tokens in `sequence_token_ids`
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        start, end = self.output_span
+        return self.sequence_token_ids[start:end]
+
+    def __getstate__(self) -> dict:
+        output = self.output_token_ids
+        return self.__dict__ | {"sequence_token_ids": output, "output_span": (0, len(output))}
 
 
 class OutputProcessor:
@@ -85,7 +100,7 @@ class OutputProcessor:
         stops = seq.sampling_params.stop
         if stops and not seq.is_finished:
             text_end = max(seq.num_returned_chars, text_end - (max(len(s) for s in stops) - 1))
-        output_ids = seq.output_token_ids
+        num_tokens = seq.num_tokens
         new_logprobs = None
         if seq.sampling_params.logprobs is not None:
             new_logprobs = seq.output_logprobs[seq.num_returned_logprobs :]
@@ -93,9 +108,8 @@ class OutputProcessor:
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            new_token_ids=output_ids[seq.num_returned_tokens :],
+            new_token_ids=seq.token_ids[seq.num_prompt_tokens + seq.num_returned_tokens : num_tokens],
             new_text=seq.output_text[seq.num_returned_chars : text_end],
-            output_token_ids=output_ids,
             text=seq.output_text[:text_end],
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
@@ -104,7 +118,9 @@ class OutputProcessor:
             logprobs=seq.output_logprobs if seq.sampling_params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.sampling_params.prompt_logprobs is not None else None,
             num_preemptions=seq.num_preemptions,
+            sequence_token_ids=seq.token_ids,
+            output_span=(seq.num_prompt_tokens, num_tokens),
         )
-        seq.num_returned_tokens = len(output_ids)
+        seq.num_returned_tokens = num_tokens - seq.num_prompt_tokens
         seq.num_returned_chars = text_end
         return out

@@ -3,6 +3,8 @@ change a request's tokens; stops, log-probs, streaming and aborts behave; no pag
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -124,13 +126,21 @@ def test_streamed_increments_add_up(tiny_checkpoint, tiny_model, tiny_tokenizer,
     ids = {f"r{i}": [] for i in range(len(prompts))}
     text = {f"r{i}": "" for i in range(len(prompts))}
     final = {}
+    seen = []  # (an output, its tokens when it was made)
     while engine.has_unfinished_requests():
         for out in engine.step():
             ids[out.request_id] += out.new_token_ids
             text[out.request_id] += out.new_text
             assert out.text == text[out.request_id] and out.output_token_ids == ids[out.request_id]
+            seen.append((out, list(ids[out.request_id])))
             if out.finished:
                 final[out.request_id] = out
+    # An output keeps what it said after its sequence grew (it slices the shared token list when read), and pickles
+    # (data-parallel replicas send outputs) with its own tokens only.
+    for out, tokens in seen:
+        assert out.output_token_ids == tokens
+        copy = pickle.loads(pickle.dumps(out))
+        assert copy.output_token_ids == tokens and copy.sequence_token_ids == tokens and copy.text == out.text
     for i, expected in enumerate(greedy_alone):
         out = final[f"r{i}"]
         if "zz" not in tiny_tokenizer.decode(expected):

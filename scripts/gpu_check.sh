@@ -2,7 +2,7 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,profile,spec,linear,long (default: the first four); long is the
+#   STAGES: any of tests,memcheck,kernels,offline,profile,spec,linear,long,tp (default: the first four); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps)
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
@@ -68,6 +68,8 @@ case ",$STAGES," in *,long,*)
 c = p('2b'); c['max_position_embeddings'] = 131072; json.dump(c, open(sys.argv[1], 'w'))" "$OUT_DIR/2b_64k.json"
   run bench_offline_64k python3 -m jetserve.cli bench offline --config "$OUT_DIR/2b_64k.json" --batch-sizes 128 \
     --input-len 65536 --output-len 32 --json ;; esac
+case ",$STAGES," in *,tp,*)  # two GPUs: TP=1 against TP=2 (NCCL and one-shot all-reduce), and the collectives alone
+  run bench_tp env OUT="$OUT_DIR/tp" CONFIGS="2b 4b" BATCH_SIZES=1,64 OUTPUT_LEN=64 bash scripts/bench_tp.sh ;; esac
 case ",$STAGES," in *,linear,*)
   run bench_linear python3 bench/linear.py --json "$OUT_DIR/linear.jsonl" ;; esac
 exit $status

@@ -68,8 +68,8 @@ case ",$STAGES," in *,long,*)
 c = p('2b'); c['max_position_embeddings'] = 131072; json.dump(c, open(sys.argv[1], 'w'))" "$OUT_DIR/2b_64k.json"
   run bench_offline_64k python3 -m jetserve.cli bench offline --config "$OUT_DIR/2b_64k.json" --batch-sizes 128 \
     --input-len 65536 --output-len 32 --json ;; esac
-case ",$STAGES," in *,tp,*)  # two GPUs: TP=1 against TP=2 (NCCL and one-shot all-reduce), and the collectives alone
-  run bench_tp env OUT="$OUT_DIR/tp" CONFIGS="2b 4b" BATCH_SIZES=1,64 OUTPUT_LEN=64 bash scripts/bench_tp.sh ;; esac
+case ",$STAGES," in *,tp,*)  # two GPUs: collectives, TP=1 against TP=2 (NCCL and one-shot); TP_CONFIGS="2b 4b" for both
+  run bench_tp env OUT="$OUT_DIR/tp" CONFIGS="${TP_CONFIGS:-2b}" BATCH_SIZES=1,64 OUTPUT_LEN=64 bash scripts/bench_tp.sh ;; esac
 case ",$STAGES," in *,linear,*)
   run bench_linear python3 bench/linear.py --json "$OUT_DIR/linear.jsonl" ;; esac
 exit $status

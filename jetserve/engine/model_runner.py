@@ -108,7 +108,7 @@ class ModelRunner:
             host[2] = slots
             input_ids, positions, state_indices = self.upload(host)
             if self.spec is not None:
-                self.spec.before_decode(seqs, slots)
+                self.spec.before_decode(seqs, slots, host[1])
             is_graphed = self.graph_runner is not None and self.graph_runner.fits(len(seqs))
             if is_graphed:
                 logits = self.graph_runner.run(input_ids, positions, state_indices)  # [N, V]

@@ -266,7 +266,7 @@ class SpecDecoder:
         self.missed_features = [
             torch.zeros(missed_shape, dtype=runner.dtype, device=device) for _ in self.capture_layers
         ]
-        self.draft_len = [0] * plan.num_slots  # per slot: positions [0, draft_len) are in the draft cache
+        self.draft_len = np.zeros(plan.num_slots, dtype=np.int64)  # per slot: positions [0, draft_len) are drafted
         self.policy = AdaptivePolicy(shapes, adaptive)
         self.stats = SpecStats()
         self.tree_override: TreeOverride | None = None
@@ -319,13 +319,12 @@ class SpecDecoder:
         for buffer, aux in zip(self.missed_features, aux_hidden_states, strict=True):
             buffer[index] = aux
 
-    def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray) -> None:
-        """Before a plain DECODE step caches position p = num_computed_tokens: a sequence whose ring would wrap onto a
-        position the draft has not seen (p − draft_len ≥ MISSED_CAPACITY) catches up first."""
-        rows = [i for i, (seq, slot) in enumerate(zip(seqs, slots_host.tolist(), strict=True))
-                if seq.num_computed_tokens - self.draft_len[slot] >= MISSED_CAPACITY]  # fmt: skip
-        if rows:
-            self.flush([seqs[i] for i in rows], slots_host[rows], [seqs[i].num_computed_tokens for i in rows])
+    def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> None:
+        """Before a plain DECODE step caches position p (positions_host [N] int64, slots_host [N]): a sequence whose
+        ring would wrap onto a position the draft has not seen (p − draft_len ≥ MISSED_CAPACITY) catches up first."""
+        rows = np.flatnonzero(positions_host - self.draft_len[slots_host] >= MISSED_CAPACITY)
+        if rows.size:
+            self.flush([seqs[i] for i in rows], slots_host[rows], positions_host[rows].tolist())
 
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in

@@ -134,6 +134,9 @@ class TensorParallelEngine(LLMEngine):
             return
         self._is_shut_down = True
         self._stopping.set()
+        # The exit hook held this engine (its caches, sized to most of the device) for the life of the process: a
+        # second engine built after this one found the first one's memory still in use (the GPU test's next case).
+        atexit.unregister(self.shutdown)
         try:
             self.group.broadcast_object(StepMessage(is_stop=True))
         finally:

@@ -3,6 +3,9 @@ sampled tokens, log-probs to 1e-5, with and without EAGLE-3 speculation; per-ran
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -81,6 +84,11 @@ def test_tp2_engine_equals_one_process(tiny_checkpoint, prompts, draft_dir, spec
         engine.shutdown()
     check_same(got, want)
     check_same(again, want)
+    # Shut down, the engine is garbage (nothing, such as an exit hook, keeps its caches alive).
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
 
 
 def test_build_engine_refusals(tiny_checkpoint):

@@ -46,6 +46,8 @@ CASES = [(preset, eager, "nccl") for preset in ("2b", "4b") for eager in (True, 
 )  # fmt: skip
 def test_tp2_equals_tp1_in_bf16(tmp_path, monkeypatch, preset, enforce_eager, all_reduce):
     monkeypatch.setenv("JETSERVE_TP_ALL_REDUCE", all_reduce)  # the ranks' processes inherit it
+    gc.collect()  # the previous case's engines, before this one plans its caches from the free memory
+    torch.cuda.empty_cache()
     start = time.perf_counter()
 
     def progress(what: str) -> None:  # with -s: where the time goes (the 2B case ran past 166 s on an H200 unexplained)

@@ -47,6 +47,10 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="launch each plain decode step before reading the previous one's tokens (default: on)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over (one process each)"
@@ -195,6 +199,7 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        overlap_scheduling=args.overlap_scheduling,
         seed=args.seed,
     )
 

@@ -14,6 +14,8 @@ class EngineConfig:
     `max_num_batched_tokens` is the token budget of one step (decode tokens first, then prefill chunks).
     `num_pages` / `num_slots` override the memory plan (each counts the reserved page 0 / slot 0); on a device
     without a memory query (the CPU) the plan sizes the caches from `cpu_cache_bytes` instead.
+    `overlap_scheduling` launches each plain decode step before reading the previous one's tokens, so the host's
+    scheduling and postprocessing overlap the device's work (not with speculation or log-probs).
     """
 
     model: str = ""
@@ -35,6 +37,7 @@ class EngineConfig:
     spec_num_draft_tokens: int | None = None  # tree nodes per verify step, root included (default 1 + topk*steps)
     spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
     enforce_eager: bool = False  # no CUDA graphs
+    overlap_scheduling: bool = True  # decode one step ahead: launch step k + 1 before reading step k's tokens
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)

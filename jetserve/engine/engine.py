@@ -1,5 +1,5 @@
 """LLMEngine: requests in, RequestOutputs out; a step is schedule → run → postprocess (Batch → ForwardBatch →
-StepOutput)."""
+StepOutput), or with overlap scheduling: launch the next decode step → postprocess the one in flight."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from jetserve.engine.block_manager import BlockManager
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graph import default_batch_sizes
 from jetserve.engine.memory_plan import MemoryPlan, cache_budget_bytes, draft_page_bytes_for, plan_memory
-from jetserve.engine.model_runner import ModelRunner, profile_activation_bytes
+from jetserve.engine.model_runner import DecodeLaunch, ModelRunner, profile_activation_bytes
 from jetserve.engine.output import OutputProcessor, RequestOutput
-from jetserve.engine.scheduler import Scheduler
-from jetserve.engine.sequence import FinishReason, Sequence
+from jetserve.engine.scheduler import Batch, Scheduler
+from jetserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from jetserve.engine.speculative import SpecDecoder, SpecStats, draft_shapes
 from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import Phase
@@ -110,6 +110,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
+        self._in_flight: DecodeLaunch | None = None  # the decode step launched ahead (overlap scheduling)
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args) -> LLMEngine:
@@ -184,6 +185,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
+        self._drop_ended_launch()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -194,11 +196,28 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that got a token (finished ones included)."""
+        """Run one step; returns an output for every request that got a token (finished ones included).
+
+        With `config.overlap_scheduling`, plain decode steps run one ahead: a call launches the decode step after
+        the one in flight (its inputs are that step's tokens, still on the device), and only then waits for the
+        one in flight and postprocesses it, so the host's work overlaps the device's. Each call still returns one
+        step's outputs. Anything else (prefill, speculation, log-probs) runs synchronously, once the pipeline has
+        drained: it drains when a waiting request could be admitted or pages run short (`_launch_next`).
+        """
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        launch = self._in_flight
+        if launch is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            if not self._can_overlap(batch):
+                return self._run(batch, start)
+            launch = self.runner.launch_decode(batch)
+        self._in_flight = self._launch_next(launch)
+        return self._resolve(launch)
+
+    def _run(self, batch: Batch, start: float) -> list[RequestOutput]:
+        """Run `batch` synchronously: the model, then postprocessing (`start`: when the step began)."""
         out = self.runner.run(batch)
         if batch.phase is Phase.VERIFY:
             updated = self.scheduler.postprocess_verify(batch, out.emitted)
@@ -215,6 +234,68 @@ class LLMEngine:
             option = batch.draft_shape if batch.phase is Phase.VERIFY else -1
             self.spec.record_step(option, batch.num_seqs, time.perf_counter() - start)
         return [self._process(seq) for seq in updated]
+
+    def _can_overlap(self, batch: Batch) -> bool:
+        """Whether `batch` may start a run of decode steps launched ahead: a plain DECODE batch, no speculation
+        (its catch-up and policy need each step's tokens on the host), and no request asking for log-probs (they
+        are computed from the step's logits, which the next launch overwrites)."""
+        return (
+            self.config.overlap_scheduling
+            and batch.phase is Phase.DECODE
+            and self.runner.spec is None
+            and all(s.sampling_params.logprobs is None for s in batch.seqs)
+        )
+
+    def _launch_next(self, prev: DecodeLaunch) -> DecodeLaunch | None:
+        """Launch the decode step after `prev` (not yet resolved) for its sequences that will still run after it;
+        None to drain instead, so that the next call schedules: when a waiting request could be admitted, when
+        every sequence ends at `prev` (or has ended), or when the pages for the step do not fit (the scheduler then
+        preempts)."""
+        if not self.config.overlap_scheduling or self.scheduler.can_admit():
+            return None
+        # A sequence whose token from `prev` reaches its length limit runs no further step: it would only be
+        # discarded, and could ask for a page past what the sequence may ever hold (`Scheduler.add` lets prompt +
+        # max tokens exceed the pool by the one token that is never cached). One that stops on EOS or a stop string
+        # at `prev` is only found at the resolve; its token of the step launched here is discarded then (`_resolve`).
+        keep = [i for i, seq in enumerate(prev.seqs) if _runs_after_one_more_token(seq)]
+        if not keep:
+            return None
+        seqs = [prev.seqs[i] for i in keep]
+        # Each holds `num_computed_tokens` cached tokens and the page for the one `prev` caches; this step caches one
+        # more.
+        needed = sum(self.block_manager.pages_needed(seq, 2) for seq in seqs)
+        if needed > self.block_manager.num_free_pages:
+            return None
+        for seq in seqs:
+            self.block_manager.append(seq, 2)
+        return self.runner.launch_next(prev, keep, seqs)
+
+    def _resolve(self, launch: DecodeLaunch) -> list[RequestOutput]:
+        """Wait for `launch`'s tokens and postprocess them for its sequences that still run; outputs as `step`.
+
+        A sequence that finished (EOS, a stop token or string) or was aborted since `launch` was launched gets no
+        token from it: its pages and slot were freed when it ended, and whatever reuses them next is queued on the
+        device behind `launch`, so its late writes into them are overwritten before anyone reads them.
+        """
+        token_ids = launch.token_ids()
+        rows = [i for i, seq in enumerate(launch.seqs) if seq.status == SequenceStatus.RUNNING]
+        outputs = []
+        if rows:
+            # Built now: Batch reads each sequence's progress, which is the launch's own only once the step before
+            # it was postprocessed.
+            batch = Batch(Phase.DECODE, [launch.seqs[i] for i in rows], [1] * len(rows))
+            assert all(batch.is_sampling), "a launched decode step computes each sequence's last token"
+            updated = self.scheduler.postprocess(batch, [token_ids[i] for i in rows])
+            outputs = [self._process(seq) for seq in updated]
+        self._drop_ended_launch()
+        return outputs
+
+    def _drop_ended_launch(self) -> None:
+        """Forget the launch in flight once none of its sequences runs (all finished or aborted): its device work
+        still runs, and nothing reads it."""
+        launch = self._in_flight
+        if launch is not None and all(seq.status != SequenceStatus.RUNNING for seq in launch.seqs):
+            self._in_flight = None
 
     def _process(self, seq: Sequence) -> RequestOutput:
         processor = self.output_processor
@@ -249,6 +330,8 @@ class LLMEngine:
             raise ValueError("set_speculation: this engine has no draft")
         if self.has_unfinished_requests():
             raise ValueError("set_speculation: only with no request in flight")
+        self._drop_ended_launch()
+        assert self._in_flight is None, "a decode step launched ahead outlived its requests"
         self.runner.spec = self.spec if enabled else None
         self.scheduler.verify_planner = self.spec if enabled else None
 
@@ -289,9 +372,15 @@ class LLMEngine:
         """Nothing in flight and every page and slot back in its pool (the leak check)."""
         return (
             not self.has_unfinished_requests()
+            and self._in_flight is None
             and self.block_manager.num_free_pages == self.block_manager.num_usable_pages
             and self.state_pool.num_free_slots == self.state_pool.num_usable_slots
         )
+
+
+def _runs_after_one_more_token(seq: Sequence) -> bool:
+    """Whether `seq` still runs, and one more token cannot end it by length."""
+    return seq.status == SequenceStatus.RUNNING and seq.num_output_tokens + 1 < seq.max_output_tokens
 
 
 def _load_vision_if_present(path: str, model: JetNemotronForCausalLM) -> VisionEncoder | None:

@@ -32,12 +32,47 @@ class StepOutput:
     emitted: list[list[int]] | None = None  # VERIFY: per sequence, its accepted drafts then its bonus token
 
 
+@dataclass
+class DecodeLaunch:
+    """A DECODE step queued on the device: its sequences, its inputs and sampled tokens (device tensors, which a
+    following step can take its inputs from), and the tokens' copy to the host, started right behind the sampler so
+    that reading them waits for this step only."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [N] int64: sampled
+    positions: torch.Tensor  # [N] int64: the position each sequence cached
+    state_indices: torch.Tensor  # [N]
+    host_tokens: torch.Tensor  # [N] int64: `tokens` on the host (pinned on a GPU), once `copied` has passed
+    copied: torch.cuda.Event | None  # recorded after the copy; None on the CPU (the tokens are host memory already)
+
+    @classmethod
+    def start(
+        cls, seqs: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor
+    ) -> DecodeLaunch:
+        """Start copying `tokens` to the host without waiting for them."""
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens, positions, state_indices, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(tokens.device))  # the tokens' device, whichever is current
+        return cls(seqs, tokens, positions, state_indices, host, copied)
+
+    def token_ids(self) -> list[int]:
+        """The sampled tokens, one per sequence (waits for the step to finish on the device)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
+
+
 class ModelRunner:
     """Allocates the K/V caches (the StatePool holds the JetBlock state), binds both to the model, and runs steps.
 
     The host work of a step is building index lists once (token ids, positions, per-sequence offsets and slots)
     and one copy to the device; everything derived from them (K/V slot mapping, block tables, sampling rows) is
-    computed on the device from tables indexed by state slot. The one synchronisation is reading the sampled tokens.
+    computed on the device from tables indexed by state slot. The one synchronisation is reading the sampled tokens;
+    a DECODE step can be launched without it (`launch_decode`, then `launch_next` for the step after, whose inputs
+    are the first one's tokens on the device) and its tokens read later (`DecodeLaunch.token_ids`).
 
     With a SpecDecoder attached (`attach_spec`), PREFILL and DECODE steps also capture the draft's target features;
     PREFILL steps catch the draft up on the positions they cached, DECODE steps leave their features to the
@@ -93,52 +128,97 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
+        """Run one step of any phase and wait for its tokens (the synchronous path)."""
         seqs = batch.seqs
-        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))  # [N]
-        self._claim_slots(seqs, slots)
-        self.sampler.sync()
+        if batch.phase is Phase.DECODE:
+            launch, logits = self._launch_decode(batch)
+            out = StepOutput(launch.token_ids())
+            if any(s.sampling_params.logprobs is not None for s in seqs):
+                out.logprobs = self._token_logprobs(logits, launch.tokens, out.token_ids, seqs)
+            return out
+        slots = self._claim(seqs)
         if batch.phase is Phase.VERIFY:
             assert self.spec is not None, "a VERIFY batch needs a SpecDecoder"
             emitted = self.spec.run_verify(seqs, slots, batch.draft_shape, self.sampler.is_all_greedy(slots))
             return StepOutput([tokens[-1] for tokens in emitted], emitted=emitted)
-        if batch.phase is Phase.DECODE:
-            host = np.empty((3, len(seqs)), dtype=np.int64)
-            host[0] = [s.token_ids[-1] for s in seqs]
-            host[1] = [s.num_computed_tokens for s in seqs]
-            host[2] = slots
-            input_ids, positions, state_indices = self.upload(host)
-            if self.spec is not None:
-                self.spec.before_decode(seqs, slots, host[1])
-            is_graphed = self.graph_runner is not None and self.graph_runner.fits(len(seqs))
-            if is_graphed:
-                logits = self.graph_runner.run(input_ids, positions, state_indices)  # [N, V]
-            else:
-                logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
-            counters = positions + 1
-            hidden = None
-        else:
-            fb, counters = self.prefill_forward_batch(batch, slots)
-            images = [s.images for s in seqs]
-            embedding = self.model.model.embed_tokens
-            input_embeds = spliced_input_embeds(embedding, fb.input_ids, images, batch.start_positions,
-                                                batch.num_new_tokens)  # fmt: skip
-            hidden = self.model(fb, input_embeds)  # [T, hidden]; input_embeds None unless the chunks hold images
-            logits = self.model.compute_logits(hidden[fb.cu_seqlens[1:].long() - 1])  # [N, V]
-            state_indices = fb.state_indices
-        is_all_greedy = self.sampler.is_all_greedy(slots)
-        tokens = self.sampler(logits, state_indices, counters, is_all_greedy)  # [N]
+        fb, counters = self.prefill_forward_batch(batch, slots)
+        images = [s.images for s in seqs]
+        embedding = self.model.model.embed_tokens
+        input_embeds = spliced_input_embeds(embedding, fb.input_ids, images, batch.start_positions,
+                                            batch.num_new_tokens)  # fmt: skip
+        hidden = self.model(fb, input_embeds)  # [T, hidden]; input_embeds None unless the chunks hold images
+        logits = self.model.compute_logits(hidden[fb.cu_seqlens[1:].long() - 1])  # [N, V]
+        tokens = self.sampler(logits, fb.state_indices, counters, self.sampler.is_all_greedy(slots))  # [N]
         if self.spec is not None:
-            if batch.phase is Phase.DECODE:
-                if not is_graphed:  # a decode graph stores them as it replays
-                    self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
-            else:
-                self._catch_up_prefill(batch, fb, tokens, slots)
+            self._catch_up_prefill(batch, fb, tokens, slots)
         out = StepOutput(tokens.tolist())
         if any(s.sampling_params.logprobs is not None for s in seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
-        if hidden is not None and any(s.wants_prompt_logprobs for s in seqs):
+        if any(s.wants_prompt_logprobs for s in seqs):
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         return out
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: Batch) -> DecodeLaunch:
+        """Queue a DECODE step on the device and return without waiting for its tokens."""
+        return self._launch_decode(batch)[0]
+
+    @torch.inference_mode()
+    def launch_next(self, prev: DecodeLaunch, keep: list[int], seqs: list[Sequence]) -> DecodeLaunch:
+        """Queue the decode step that follows `prev` for its rows `keep` (ascending), whose sequences `seqs` already
+        hold the pages of one more token: each row's input is the token `prev` sampled, at the next position, in the
+        same slot — all taken on the device, so this queues behind `prev` without waiting for it. No SpecDecoder
+        (its catch-up reads each step's positions on the host)."""
+        assert self.spec is None, "launching ahead is for runners without a SpecDecoder"
+        assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
+        slots = self._claim(seqs)  # writes the new pages into the block table
+        if len(keep) == len(prev.seqs):
+            input_ids, positions, state_indices = prev.tokens, prev.positions + 1, prev.state_indices
+        else:
+            (rows,) = self.upload(np.array([keep], dtype=np.int64))  # [N]
+            input_ids, positions, state_indices = prev.tokens[rows], prev.positions[rows] + 1, prev.state_indices[rows]
+        return self._decode(seqs, slots, input_ids, positions, state_indices)[0]
+
+    def _claim(self, seqs: list[Sequence]) -> np.ndarray:
+        """The state slots of `seqs` [N], after bringing the slot-indexed tables (pages, sampling) up to date."""
+        slots = np.fromiter((s.slot for s in seqs), dtype=np.int64, count=len(seqs))  # [N]
+        self._claim_slots(seqs, slots)
+        self.sampler.sync()
+        return slots
+
+    def _launch_decode(self, batch: Batch) -> tuple[DecodeLaunch, torch.Tensor]:
+        """Queue a DECODE step whose inputs come from the host (each sequence's last token, its cached length, its
+        slot); returns the launch and its logits [N, V] (valid until the next decode step: a graph's buffer)."""
+        seqs = batch.seqs
+        slots = self._claim(seqs)
+        host = np.empty((3, len(seqs)), dtype=np.int64)
+        host[0] = [s.token_ids[-1] for s in seqs]
+        host[1] = [s.num_computed_tokens for s in seqs]
+        host[2] = slots
+        input_ids, positions, state_indices = self.upload(host)
+        if self.spec is not None:
+            self.spec.before_decode(seqs, slots, host[1])
+        return self._decode(seqs, slots, input_ids, positions, state_indices)
+
+    def _decode(
+        self,
+        seqs: list[Sequence],
+        slots: np.ndarray,  # [N] the same slots as `state_indices`, on the host
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64: the position each sequence caches
+        state_indices: torch.Tensor,  # [N]
+    ) -> tuple[DecodeLaunch, torch.Tensor]:
+        """The decode forward (a CUDA graph where one fits, else eager) and the sampler, queued on the device; the
+        tokens' copy to the host starts right behind them. Returns the launch and the logits [N, V]."""
+        is_graphed = self.graph_runner is not None and self.graph_runner.fits(len(seqs))
+        if is_graphed:
+            logits = self.graph_runner.run(input_ids, positions, state_indices)  # [N, V]
+        else:
+            logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
+            if self.spec is not None:  # a decode graph stores them as it replays
+                self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
+        tokens = self.sampler(logits, state_indices, positions + 1, self.sampler.is_all_greedy(slots))  # [N]
+        return DecodeLaunch.start(seqs, tokens, positions, state_indices), logits
 
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by
@@ -191,9 +271,10 @@ class ModelRunner:
                 pages += new
                 self._slot_synced_pages[slot] = len(seq.pages)
         if pages:
-            index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
-            values = torch.tensor(pages, dtype=torch.int32).to(self.device, non_blocking=True)
-            self.block_table[index[0], index[1]] = values
+            # Through pinned memory: a copy from pageable memory may wait for the device, and a decode step launched
+            # ahead (`launch_next`) claims its pages while the step before it still runs.
+            rows_d, cols_d, pages_d = self.upload(np.array([rows, cols, pages], dtype=np.int64))
+            self.block_table[rows_d, cols_d] = pages_d.to(torch.int32)
 
     def upload(self, rows: np.ndarray) -> list[torch.Tensor]:
         """Copy a [C, n] int64 host array to the device at once; returns its C rows, each starting 16-byte aligned

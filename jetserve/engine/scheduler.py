@@ -100,6 +100,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Whether a schedule now would admit the head of the waiting queue, as far as the running set decides: a
+        free slot, room under `max_num_seqs` and in the token budget beside one decode token per running sequence,
+        and a free page. The engine stops launching decode steps ahead when it would (a full server keeps them)."""
+        if not self.waiting:
+            return False
+        num_running = len(self.running)
+        return (
+            self.state_pool.num_free_slots > 0
+            and num_running < self.max_num_seqs
+            and num_running < self.max_num_batched_tokens
+            and self.block_manager.num_fitting_tokens(self.waiting[0]) > 0
+        )
+
     def schedule(self) -> Batch | None:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []

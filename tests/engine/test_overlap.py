@@ -1,0 +1,231 @@
+"""Overlap scheduling (decode steps launched one ahead) on the CPU: every request gets the same tokens, text, finish
+reason and per-step outputs as with `overlap_scheduling=False`, through stops, aborts, late arrivals, preemption and
+log-probs; decode steps really are launched ahead; no page or slot leaks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.engine.output import RequestOutput
+from jetserve.sampling_params import SamplingParams
+
+# Lengths cross the page size (4) and the SWA window (16); 25 + 7 tokens reach the context (32) exactly.
+PROMPT_LENGTHS = (1, 5, 17, 25)
+Requests = dict[str, tuple[list[int], SamplingParams]]
+Trace = list[list[tuple[str, list[int]]]]  # per step: (request id, new token ids) of each output
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap: bool, **engine_args) -> LLMEngine:
+    args = dict(device="cpu", page_size=4, num_pages=256, num_slots=9, max_model_len=32) | engine_args
+    config = EngineConfig(model=str(tiny_checkpoint), overlap_scheduling=overlap, **args)
+    return LLMEngine(config, model=tiny_model, tokenizer=tiny_tokenizer)
+
+
+def count_launches(engine: LLMEngine) -> list[int]:
+    """Wrap the runner's `launch_next`; the returned list holds, per call, how many requests were waiting."""
+    calls: list[int] = []
+    launch_next = engine.runner.launch_next
+
+    def counted(*args, **kwargs):
+        calls.append(len(engine.scheduler.waiting))
+        return launch_next(*args, **kwargs)
+
+    engine.runner.launch_next = counted
+    return calls
+
+
+def drive(
+    engine: LLMEngine, requests: Requests, before_step: dict[int, Callable[[LLMEngine], None]] | None = None
+) -> tuple[dict[str, RequestOutput], Trace]:
+    """Add `requests`, then step until nothing is left; `before_step[i]` runs before step i (0-based). Returns the
+    final output of every request that finished and the trace of every step's outputs. Checks that a step gives
+    each request at most one output of one new token, and that the engine ends idle and clean."""
+    before_step = dict(before_step or {})
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    final: dict[str, RequestOutput] = {}
+    trace: Trace = []
+    while engine.has_unfinished_requests() or before_step:
+        if len(trace) in before_step:
+            before_step.pop(len(trace))(engine)
+        outs = engine.step()
+        trace.append([(o.request_id, o.new_token_ids) for o in outs])
+        assert len({o.request_id for o in outs}) == len(outs) and all(len(o.new_token_ids) == 1 for o in outs)
+        final |= {o.request_id: o for o in outs if o.finished}
+    assert engine.is_idle_and_clean()
+    return final, trace
+
+
+def summary(final: dict[str, RequestOutput]) -> dict[str, tuple]:
+    return {r: (o.output_token_ids, o.finish_reason, o.stop_reason, o.text) for r, o in sorted(final.items())}
+
+
+def both_ways(tiny_checkpoint, tiny_model, tiny_tokenizer, requests: Requests, before_step=None, **engine_args):
+    """`drive` with overlap off and on: (summary, trace) of each, and the on-engine's `launch_next` calls."""
+    results, calls = [], []
+    for overlap in (False, True):
+        engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap, **engine_args)
+        calls = count_launches(engine)
+        final, trace = drive(engine, requests, before_step)
+        results.append((summary(final), trace))
+        if not overlap:
+            assert not calls, "overlap_scheduling=False launched a decode step ahead"
+    return results[0], results[1], calls
+
+
+def greedy(max_tokens: int | None = 10, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_greedy_with_different_lengths_and_the_context_end(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """max_tokens 3, 10 and none (to the context end, 15 and 7 tokens): a sequence that ends by length never runs a
+    step past it (the last one would index past its block table), and every step returns the same outputs."""
+    limits = (3, 10, None, None)
+    requests = {f"r{i}": (p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, limits, strict=True))}
+    (want, want_trace), (got, got_trace), calls = both_ways(tiny_checkpoint, tiny_model, tiny_tokenizer, requests)
+    assert got == want and got_trace == want_trace
+    assert [len(want[f"r{i}"][0]) for i in range(4)] == [3, 10, 15, 7]
+    assert all(reason == "length" for _, reason, _, _ in want.values())
+    # One prefill step, then 14 decode steps: each but the first resolves a step launched ahead.
+    assert len(got_trace) == 15 and len(calls) == 13
+
+
+def test_seeded_sampling(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    params = [SamplingParams(temperature=t, top_p=0.9, top_k=50, seed=s, max_tokens=n, ignore_eos=True)
+              for t, s, n in ((0.8, 1, 9), (1.0, 2, 12), (0.7, 3, 5), (1.2, 4, 7))]  # fmt: skip
+    requests = {f"r{i}": (p, params[i]) for i, p in enumerate(prompts)}
+    (want, want_trace), (got, got_trace), calls = both_ways(tiny_checkpoint, tiny_model, tiny_tokenizer, requests)
+    assert got == want and got_trace == want_trace and calls
+
+
+def test_stop_token_and_eos_mid_way(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """A sequence that stops on a token while its next step is already launched drops that step's token; the others
+    go on unchanged."""
+    probe = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False)
+    free_run, _ = drive(probe, {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts[:3])})
+    stop_id = free_run["r1"].output_token_ids[4]
+    eos_id = free_run["r2"].output_token_ids[6]
+    requests = {
+        "r0": (prompts[0], greedy(12)),
+        "r1": (prompts[1], greedy(12, stop_token_ids=[stop_id])),
+        "r2": (prompts[2], SamplingParams(temperature=0, max_tokens=12)),  # ends on EOS (below)
+    }
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
+        engine.scheduler.eos_token_ids = frozenset({eos_id})  # the tiny model's own EOS may never come
+        calls = count_launches(engine)
+        final, trace = drive(engine, requests)
+        results.append((summary(final), trace))
+    assert results[1] == results[0] and calls
+    want = results[0][0]
+    assert want["r1"][1:3] == ("stop", stop_id) and len(want["r1"][0]) <= 5
+    assert want["r2"][1:3] == ("stop", None) and want["r2"][0][-1] == eos_id and len(want["r2"][0]) <= 7
+    assert len(want["r0"][0]) == 12
+
+
+def test_stop_strings(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    probe = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False)
+    full = drive(probe, {"r": (prompts[0], greedy(12))})[0]["r"].text
+    # A two-character stop string from the middle of the text, cleanly decodable.
+    index = next(i for i in range(2, len(full) - 1) if "\ufffd" not in full[i : i + 2])
+    stop = full[index : index + 2]
+    requests = {
+        "r0": (prompts[1], greedy(12)),
+        "r1": (prompts[0], greedy(12, stop=[stop, "never appears"])),
+        "r2": (prompts[0], greedy(12, stop=stop, include_stop_str_in_output=True)),
+    }
+    (want, want_trace), (got, got_trace), calls = both_ways(tiny_checkpoint, tiny_model, tiny_tokenizer, requests)
+    assert got == want and got_trace == want_trace and calls
+    cut = full.index(stop)
+    assert want["r1"][1:] == ("stop", stop, full[:cut]) and want["r2"][3] == full[: cut + 2]
+    assert len(want["r1"][0]) < 12 and len(want["r0"][0]) == 12
+
+
+def test_abort_while_a_step_is_in_flight(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """Aborts between steps: one request while its next step is launched, then the rest at once, which leaves the
+    engine clean with nothing to step."""
+
+    def abort_one(engine: LLMEngine) -> None:
+        assert engine._in_flight is not None or not engine.config.overlap_scheduling
+        assert engine.abort_request("r1")
+
+    def abort_rest(engine: LLMEngine) -> None:
+        for request_id in ("r0", "r2"):
+            assert engine.abort_request(request_id)
+        assert engine.is_idle_and_clean() and engine.step() == []
+
+    requests = {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts[:3])}
+    before_step = {4: abort_one, 8: abort_rest}
+    (want, want_trace), (got, got_trace), calls = both_ways(
+        tiny_checkpoint, tiny_model, tiny_tokenizer, requests, before_step
+    )
+    assert got == want == {} and got_trace == want_trace and calls
+    assert sum(r == "r1" for step in want_trace for r, _ in step) == 4  # its prefill and three decode steps
+
+
+def test_requests_added_while_decoding_are_admitted(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """A request added mid-decode drains the pipeline and joins within two steps, not when the others end."""
+
+    def add_late(engine: LLMEngine, request_id: str, prompt: list[int]) -> None:
+        engine.add_request(request_id, prompt, greedy(6))
+
+    requests = {"r0": (prompts[0], greedy(20)), "r1": (prompts[1], greedy(20))}
+    before_step = {3: lambda e: add_late(e, "late0", prompts[2]), 9: lambda e: add_late(e, "late1", prompts[3])}
+    (want, want_trace), (got, got_trace), calls = both_ways(
+        tiny_checkpoint, tiny_model, tiny_tokenizer, requests, before_step
+    )
+    assert got == want and calls
+    first_output = {r: next(i for i, step in enumerate(got_trace) if r in dict(step)) for r in ("late0", "late1")}
+    assert first_output == {"late0": 4, "late1": 10}  # the step after the add resolves the one in flight
+
+
+def test_a_full_engine_keeps_launching_ahead_while_requests_wait(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """Two slots for four requests: while the queue cannot be admitted, decode steps still run ahead."""
+    requests = {f"r{i}": (p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, (6, 7, 5, 4), strict=True))}
+    (want, _), (got, _), calls = both_ways(tiny_checkpoint, tiny_model, tiny_tokenizer, requests, num_slots=3)
+    assert got == want and len(want) == 4
+    assert any(num_waiting > 0 for num_waiting in calls)
+
+
+def test_preemption_under_a_tiny_page_budget(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """12 usable pages of 4 tokens hold one 48-token sequence: steps launched ahead must fit their pages, and drain
+    for the scheduler to preempt when they do not; every request ends as without pressure."""
+    many = prompts + prompts[::-1]
+    requests = {f"r{i}": (p, greedy(12)) for i, p in enumerate(many)}
+    roomy = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False, max_model_len=48)
+    unpressured = summary(drive(roomy, requests)[0])
+    engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=True, num_pages=13, num_slots=3,
+                         max_model_len=48)  # fmt: skip
+    calls = count_launches(engine)
+    final, _ = drive(engine, requests)
+    assert {r: (tokens, reason) for r, (tokens, reason, _, _) in summary(final).items()} == {
+        r: (tokens, reason) for r, (tokens, reason, _, _) in unpressured.items()
+    }
+    assert engine.scheduler.num_preemptions > 0 and calls
+
+
+def test_a_request_with_logprobs_runs_synchronously(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
+    """Log-probs come from a step's logits, which the next launch would overwrite: a batch holding such a request
+    decodes synchronously (here every decode step), with the same tokens and log-probs."""
+    requests = {f"r{i}": (p, greedy(6)) for i, p in enumerate(prompts[:3])}
+    requests["lp"] = (prompts[3], greedy(7, logprobs=2))  # the longest: in every decode batch
+    finals = []
+    for overlap in (False, True):
+        engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
+        calls = count_launches(engine)
+        final, trace = drive(engine, requests)
+        finals.append((summary(final), trace, [(e.token_id, e.logprob, e.top_ids) for e in final["lp"].logprobs]))
+    assert finals[1] == finals[0] and not calls
+    assert len(finals[0][2]) == 7

@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from jetserve.engine.block_manager import BlockManager
@@ -214,7 +215,10 @@ class LLMEngine:
                 return self._run(batch, start)
             launch = self.runner.launch_decode(batch)
         self._in_flight = self._launch_next(launch)
-        return self._resolve(launch)
+        outputs = self._resolve(launch)
+        if self.runner.spec is not None:  # the policy weighs plain steps by what they take when launched ahead
+            self.spec.record_step(-1, len(launch.seqs), time.perf_counter() - start)
+        return outputs
 
     def _run(self, batch: Batch, start: float) -> list[RequestOutput]:
         """Run `batch` synchronously: the model, then postprocessing (`start`: when the step began)."""
@@ -236,13 +240,12 @@ class LLMEngine:
         return [self._process(seq) for seq in updated]
 
     def _can_overlap(self, batch: Batch) -> bool:
-        """Whether `batch` may start a run of decode steps launched ahead: a plain DECODE batch, no speculation
-        (its catch-up and policy need each step's tokens on the host), and no request asking for log-probs (they
-        are computed from the step's logits, which the next launch overwrites)."""
+        """Whether `batch` may start a run of decode steps launched ahead: a plain DECODE batch (with speculation, one
+        the policy chose plain) and no request asking for log-probs (they are computed from the step's logits, which
+        the next launch overwrites)."""
         return (
             self.config.overlap_scheduling
             and batch.phase is Phase.DECODE
-            and self.runner.spec is None
             and all(s.sampling_params.logprobs is None for s in batch.seqs)
         )
 
@@ -266,6 +269,12 @@ class LLMEngine:
         needed = sum(self.block_manager.pages_needed(seq, 2) for seq in seqs)
         if needed > self.block_manager.num_free_pages:
             return None
+        spec = self.runner.spec
+        if spec is not None:  # speculating: the policy may want a VERIFY step, or a draft ring its catch-up
+            slots = np.fromiter((seq.slot for seq in seqs), dtype=np.int64, count=len(seqs))  # [N]
+            positions = np.fromiter((seq.num_computed_tokens + 1 for seq in seqs), dtype=np.int64, count=len(seqs))
+            if not spec.plan_decode_ahead(seqs, slots, positions):
+                return None
         for seq in seqs:
             self.block_manager.append(seq, 2)
         return self.runner.launch_next(prev, keep, seqs)

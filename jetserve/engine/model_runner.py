@@ -167,9 +167,9 @@ class ModelRunner:
     def launch_next(self, prev: DecodeLaunch, keep: list[int], seqs: list[Sequence]) -> DecodeLaunch:
         """Queue the decode step that follows `prev` for its rows `keep` (ascending), whose sequences `seqs` already
         hold the pages of one more token: each row's input is the token `prev` sampled, at the next position, in the
-        same slot — all taken on the device, so this queues behind `prev` without waiting for it. No SpecDecoder
-        (its catch-up reads each step's positions on the host)."""
-        assert self.spec is None, "launching ahead is for runners without a SpecDecoder"
+        same slot — all taken on the device, so this queues behind `prev` without waiting for it. With a
+        SpecDecoder, the caller checked that no draft ring wraps (`SpecDecoder.plan_decode_ahead`: its catch-up
+        would need `prev`'s tokens on the host); the step stores its features in the ring as any plain step does."""
         assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
         slots = self._claim(seqs)  # writes the new pages into the block table
         if len(keep) == len(prev.seqs):

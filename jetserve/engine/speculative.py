@@ -270,6 +270,7 @@ class SpecDecoder:
         self.policy = AdaptivePolicy(shapes, adaptive)
         self.stats = SpecStats()
         self.tree_override: TreeOverride | None = None
+        self._next_option: int | None = None  # the policy's choice made ahead (`plan_decode_ahead`), not yet used
         # Forced acceptance (benchmarks): every node's token is the sequence's known continuation ("right") or that
         # token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
         self.forced = forced
@@ -297,10 +298,26 @@ class SpecDecoder:
         per-token log-probs come from the plain path) or the policy prefers plain decoding."""
         if any(s.sampling_params.logprobs is not None for s in seqs):
             return []
-        option = self.policy.choose(len(seqs))
+        option, self._next_option = self._next_option, None
+        if option is None:
+            option = self.policy.choose(len(seqs))
         if option < 0:
             return []
         return [(i, self.shapes[i].num_draft_tokens) for i in range(option, len(self.shapes))]
+
+    def plan_decode_ahead(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> bool:
+        """Overlap scheduling: may a plain DECODE step of `seqs` caching `positions_host` [N] be launched ahead, before
+        the step in flight (which caches the positions before them) is read? Not when a ring would wrap (the
+        catch-up reads the in-flight step's tokens on the host), nor when the policy, asked for this step now,
+        picks a draft shape: the choice is kept for the VERIFY step the scheduler builds next (`verify_options`), so
+        the policy decides each step once."""
+        if self.needs_flush(slots_host, positions_host).size:
+            return False
+        option = self.policy.choose(len(seqs))
+        if option >= 0:
+            self._next_option = option
+            return False
+        return True
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
         self.policy.record_step(option, num_seqs, seconds)
@@ -322,9 +339,13 @@ class SpecDecoder:
     def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> None:
         """Before a plain DECODE step caches position p (positions_host [N] int64, slots_host [N]): a sequence whose
         ring would wrap onto a position the draft has not seen (p − draft_len ≥ MISSED_CAPACITY) catches up first."""
-        rows = np.flatnonzero(positions_host - self.draft_len[slots_host] >= MISSED_CAPACITY)
+        rows = self.needs_flush(slots_host, positions_host)
         if rows.size:
             self.flush([seqs[i] for i in rows], slots_host[rows], positions_host[rows].tolist())
+
+    def needs_flush(self, slots_host: np.ndarray, positions_host: np.ndarray) -> np.ndarray:
+        """Rows whose ring a step caching `positions_host` would wrap onto a position the draft has not seen."""
+        return np.flatnonzero(positions_host - self.draft_len[slots_host] >= MISSED_CAPACITY)
 
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in

@@ -560,21 +560,34 @@ def _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, prompts, params) -> l
     return run(engine, prompts, params)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_path"])
-def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts, graphs):
+@pytest.mark.parametrize(("graphs", "overlap"), [(False, True), (True, True), (False, False)],
+                         ids=["eager", "graph_path", "eager-no_overlap"])  # fmt: skip
+def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts, graphs, overlap):
     """The policy forced to plain decoding for longer than the missed-feature ring, then to a draft shape: the draft
     lags at most MISSED_CAPACITY positions meanwhile, and after the first verify step its K/V and hidden state, and
     the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs.
-    On the graph path (run eagerly) the catch-up runs as fixed rows of MISSED_CAPACITY tokens in a padded bucket."""
+    On the graph path (run eagerly) the catch-up runs as fixed rows of MISSED_CAPACITY tokens in a padded bucket.
+    With overlap scheduling the plain steps are launched one ahead (each ring-wrap catch-up drains the pipeline), and
+    the verify step comes one step after the policy picked it (the choice was made for the step launched ahead)."""
     chosen = [prompts[i] for i in (1, 3, 4)]
     params = greedy(max_tokens=64)
     expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     always = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
     assert run(always, chosen, params) == expected
-    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
+    engine = make_engine(
+        tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, overlap_scheduling=overlap, **CHAIN
+    )
     if graphs:
         _eager_graphs(engine, [1, 2, 4])  # 3 sequences: bucket 4, one padded row
     spec = engine.spec
+    launched_ahead = [0]
+    launch_next = engine.runner.launch_next
+
+    def counted(*args):
+        launched_ahead[0] += 1
+        return launch_next(*args)
+
+    engine.runner.launch_next = counted
     for i, prompt in enumerate(chosen):
         engine.add_request(str(i), prompt, params)
     engine.step()  # prefill (the draft catches up on the prompts)
@@ -585,8 +598,12 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
         lags = [s.num_computed_tokens - spec.draft_len[s.slot] for s in engine.scheduler.running]
         max_lag = max(max_lag, *lags)
     assert 0 < max_lag <= MISSED_CAPACITY and spec.stats.num_verify_steps == 0
+    assert (launched_ahead[0] > MISSED_CAPACITY) == overlap
     spec.policy.forced_option = 0
     engine.step()
+    if overlap:  # that call chose the shape for the step after the one in flight, and drained
+        assert spec.stats.num_verify_steps == 0
+        engine.step()
     assert spec.stats.num_verify_steps == 1
     seqs = list(engine.scheduler.running)
     assert len(seqs) == 3 and all(spec.draft_len[s.slot] == s.num_computed_tokens for s in seqs)
@@ -636,6 +653,18 @@ def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny
         return out
 
     engine.runner.run = counting_run
+
+    def counting_launch(launch):  # the plain steps launched ahead (overlap scheduling)
+        def counted(*args):
+            before = calls[0]
+            out = launch(*args)
+            phases.append((Phase.DECODE, calls[0] - before))
+            return out
+
+        return counted
+
+    engine.runner.launch_decode = counting_launch(engine.runner.launch_decode)
+    engine.runner.launch_next = counting_launch(engine.runner.launch_next)
     chosen = [prompts[i] for i in (0, 2, 5)]
     params = greedy(max_tokens=20)
     outs = run(engine, chosen, params)
@@ -668,3 +697,33 @@ def test_one_sequence_tree_draft_is_the_same_with_the_triton_kernels(tiny_checkp
     for field in ("tokens", "parents", "positions"):
         assert torch.equal(getattr(trees["triton"], field), getattr(trees["reference"], field)), field
     torch.testing.assert_close(trees["triton"].scores, trees["reference"].scores, rtol=1e-4, atol=1e-4)
+
+
+def test_overlapped_plain_steps_ask_the_policy_once_per_step(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """Adaptive speculation with overlap scheduling: plain steps are launched ahead, and the policy is asked once per
+    decode or verify step — a choice of a draft shape made for a step launched ahead is the next VERIFY step's —
+    while the outputs equal plain decoding."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **TREE)
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4, 8):  # plain decoding measured fastest, with explorations of the shapes in the run
+        policy.step_seconds |= {(0, bucket): 1.0, (1, bucket): 1.0, (-1, bucket): 1e-3}
+        policy.bucket_steps[bucket] = EXPLORE_EVERY - 12
+    counts = {"choose": 0, "ahead": 0, "resolved": 0, "sync_decode": 0}
+
+    def counting(name, fn, phase=None):
+        def wrapped(*args):
+            if phase is None or args[0].phase is phase:
+                counts[name] += 1
+            return fn(*args)
+
+        return wrapped
+
+    policy.choose = counting("choose", policy.choose)
+    engine.runner.launch_next = counting("ahead", engine.runner.launch_next)
+    engine._resolve = counting("resolved", engine._resolve)
+    engine.runner.run = counting("sync_decode", engine.runner.run, Phase.DECODE)
+    chosen = [prompts[i] for i in (0, 2, 5)]
+    params = greedy(max_tokens=24)
+    assert run(engine, chosen, params) == _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
+    assert counts["ahead"] > 10 and engine.num_verify_steps >= 1
+    assert counts["choose"] == counts["resolved"] + counts["sync_decode"] + engine.num_verify_steps

@@ -331,19 +331,21 @@ def fused_linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: 
             2 * m * s.hidden * value_dim)  # fmt: skip
 
 
-def sample_case(s: Shapes, device: str, n: int) -> Case:
-    """sample over the vocabulary with top-k 50 and top-p 0.9: the fp32 logits and row parameters read, tokens
-    written."""
+def sample_case(s: Shapes, device: str, n: int, filtered: bool = True) -> Case:
+    """sample over the vocabulary with top-k 50 and top-p 0.9 (`filtered`), or temperature alone with the promise
+    that no row filters (the engine's Sampler makes it from the host's parameters): the fp32 logits and row
+    parameters read, tokens written."""
     logits = _randn(n, s.vocab, dtype=torch.float32, device=device, scale=4.0)
     params = dict(
         temperature=torch.full((n,), 0.8, device=device),
-        top_k=torch.full((n,), 50, dtype=torch.int32, device=device),
-        top_p=torch.full((n,), 0.9, device=device),
+        top_k=torch.full((n,), 50 if filtered else 0, dtype=torch.int32, device=device),
+        top_p=torch.full((n,), 0.9 if filtered else 1.0, device=device),
         min_p=torch.zeros(n, device=device),
         seeds=torch.arange(n, device=device),
         counters=torch.zeros(n, dtype=torch.int64, device=device),
     )
-    return lambda: sample(logits, **params), _nbytes(logits, *params.values()) + n * 8, 0
+    promises = {} if filtered else dict(is_filtered=False, has_greedy=False)
+    return lambda: sample(logits, **params, **promises), _nbytes(logits, *params.values()) + n * 8, 0
 
 
 def norm_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int):
@@ -384,6 +386,7 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         for kind in ("jet in silu", "swiglu down", "gated-norm o"):
             cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: fused_linear_case(s, dtype, device, kind, n)
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
+        cases[f"sample temperature-only N={n}"] = lambda n=n: sample_case(s, device, n, filtered=False)
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
         cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)

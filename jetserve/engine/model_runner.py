@@ -148,7 +148,7 @@ class ModelRunner:
                                             batch.num_new_tokens)  # fmt: skip
         hidden = self.model(fb, input_embeds)  # [T, hidden]; input_embeds None unless the chunks hold images
         logits = self.model.compute_logits(hidden[fb.cu_seqlens[1:].long() - 1])  # [N, V]
-        tokens = self.sampler(logits, fb.state_indices, counters, self.sampler.is_all_greedy(slots))  # [N]
+        tokens = self.sampler(logits, fb.state_indices, counters, slots)  # [N]
         if self.spec is not None:
             self._catch_up_prefill(batch, fb, tokens, slots)
         out = StepOutput(tokens.tolist())
@@ -217,7 +217,7 @@ class ModelRunner:
             logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
             if self.spec is not None:  # a decode graph stores them as it replays
                 self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
-        tokens = self.sampler(logits, state_indices, positions + 1, self.sampler.is_all_greedy(slots))  # [N]
+        tokens = self.sampler(logits, state_indices, positions + 1, slots)  # [N]
         return DecodeLaunch.start(seqs, tokens, positions, state_indices), logits
 
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:
@@ -487,7 +487,7 @@ def profile_activation_bytes(
     rows = num_logit_rows or max_num_seqs
     logits = model.compute_logits(hidden[:1].expand(rows, -1))  # [rows, V]
     runner.sampler(logits, torch.zeros(rows, dtype=torch.int32, device=device),
-                   torch.zeros(rows, dtype=torch.int64, device=device), is_all_greedy=False)  # fmt: skip
+                   torch.zeros(rows, dtype=torch.int64, device=device), slots=None)  # fmt: skip
     del hidden, logits, fb, runner, pool
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before

@@ -51,13 +51,32 @@ class Sampler:
         return bool((self._host["temperature"][slots] == 0).all())
 
     def __call__(
-        self, logits: torch.Tensor, state_indices: torch.Tensor, counters: torch.Tensor, is_all_greedy: bool
+        self,
+        logits: torch.Tensor,
+        state_indices: torch.Tensor,
+        counters: torch.Tensor,
+        slots: np.ndarray | None,
     ) -> torch.Tensor:
-        """logits [N, V] fp32, state_indices [N], counters [N] int64 → tokens [N] int64."""
-        if is_all_greedy:
+        """logits [N, V] fp32, state_indices [N], counters [N] int64 → tokens [N] int64. `slots` [N] are the state
+        indices on the host: their parameters choose the least work that draws the same tokens — an argmax when
+        every row is greedy, no top-k/top-p/min-p threshold when no sampled row filters (`sample`'s promises); None
+        takes the full path (the memory profile of the largest step)."""
+        if slots is None:
+            is_sampled = is_filtered = has_greedy = True
+        else:
+            host = self._host
+            is_random = host["temperature"][slots] > 0  # [N]
+            is_sampled = bool(is_random.any())
+            filters = (host["top_k"][slots] > 0) | (host["top_p"][slots] < 1) | (host["min_p"][slots] > 0)  # [N]
+            is_filtered = bool((is_random & filters).any())
+            has_greedy = not is_random.all()
+        if not is_sampled:
             return logits.argmax(dim=-1)
         rows = self.rows(state_indices, counters)
-        return sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.counters)
+        return sample(
+            logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.counters,
+            is_filtered=is_filtered, has_greedy=has_greedy,
+        )  # fmt: skip
 
     def rows(self, state_indices: torch.Tensor, counters: torch.Tensor) -> SamplingRows:
         """The parameters of the sequences in slots `state_indices` [N], gathered on the device, with their

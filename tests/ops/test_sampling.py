@@ -253,6 +253,52 @@ def test_triton_tempered_probs(kernels, num_rows: int, vocab: int) -> None:
     torch.testing.assert_close(row_mass, torch.ones(num_rows, device=DEVICE), rtol=1e-5, atol=0.0)
 
 
+def unfiltered_rows(n: int, vocab: int, seed: int, has_greedy: bool) -> dict[str, torch.Tensor]:
+    """`mixed_rows` with every filter off (top_k 0, top_p 1, min_p 0); greedy rows only when `has_greedy`."""
+    params = mixed_rows(n, vocab, seed)
+    params["top_k"].zero_()
+    params["top_p"].fill_(1.0)
+    params["min_p"].zero_()
+    if not has_greedy:
+        params["temperature"].clamp_(min=0.2)
+    return params
+
+
+@pytest.mark.parametrize("has_greedy", [True, False], ids=["greedy_rows", "all_sampled"])
+@pytest.mark.parametrize("num_rows, vocab", [(1, 8), (40, 8), (3, 1000), (2, 3000)])
+def test_sampling_promises_keep_the_draws(kernels, num_rows: int, vocab: int, has_greedy: bool) -> None:
+    """With no row filtering (and, when promised, no greedy row), skipping the keep threshold (and the argmax)
+    draws exactly the tokens of the full path, in the reference and the Triton variant."""
+    logits = random_logits(num_rows, vocab, seed=vocab + 7, scale=2.0).to(DEVICE)
+    params = {name: p.to(DEVICE) for name, p in unfiltered_rows(num_rows, vocab, num_rows, has_greedy).items()}
+    promises = dict(is_filtered=False, has_greedy=has_greedy)
+    full = ref.sample(logits, **params)
+    assert torch.equal(ref.sample(logits, **params, **promises), full)
+    assert torch.equal(kernels.sample(logits, **params, **promises), full)
+    assert torch.equal(kernels.sample(logits, **params), full)
+
+
+def test_sampling_promises_are_what_skip_the_work(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The promises really skip the threshold and the argmax (a broken promise would show: a filtering row then
+    draws from its whole distribution)."""
+    logits = random_logits(64, 50, seed=1, scale=2.0).to(DEVICE)
+    params = {name: p.to(DEVICE) for name, p in rows(64, top_k=1).items()}  # top-k 1: the draw is the argmax
+    assert torch.equal(ref.sample(logits, **params), logits.argmax(dim=-1))
+    for sample in (ref.sample, kernels.sample):
+        broken = sample(logits, **params, is_filtered=False, has_greedy=False)
+        assert not torch.equal(broken, logits.argmax(dim=-1))
+
+    def no_threshold(*args, **kwargs):
+        raise AssertionError("the keep threshold was computed")
+
+    monkeypatch.setattr(kernels, "keep_threshold", no_threshold)
+    monkeypatch.setattr(ref, "keep_threshold", no_threshold)
+    params = {name: p.to(DEVICE) for name, p in unfiltered_rows(5, 50, seed=2, has_greedy=True).items()}
+    assert torch.equal(
+        kernels.sample(logits[:5], **params, is_filtered=False), ref.sample(logits[:5], **params, is_filtered=False)
+    )
+
+
 def test_triton_sample_breaks_ties_like_the_reference(kernels) -> None:
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]]).expand(30, 5).contiguous().to(DEVICE)
     params = {name: p.to(DEVICE) for name, p in rows(30, top_k=2).items()}
@@ -288,3 +334,14 @@ def test_sample_on_gpu_matches_cpu_without_host_sync(kernels, num_rows: int) -> 
     # CPU and CUDA round the softmax, the cumulative sums and the logs differently; a differing token needs a
     # near-tie (a top-p boundary or two equal race scores), which these random logits make rare.
     assert (tokens.cpu() == expected).float().mean() >= 0.97
+    # Temperature alone, with the promises the engine's Sampler makes for it: the same tokens as the full path.
+    cuda_params |= dict(top_k=torch.zeros_like(cuda_params["top_k"]), top_p=torch.ones_like(cuda_params["top_p"]),
+                        min_p=torch.zeros_like(cuda_params["min_p"]))  # fmt: skip
+    full = kernels.sample(cuda_logits, **cuda_params)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast = kernels.sample(cuda_logits, **cuda_params, is_filtered=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(fast, full)

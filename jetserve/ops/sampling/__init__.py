@@ -19,12 +19,16 @@ def sample(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    *,
+    is_filtered: bool = True,
+    has_greedy: bool = True,
 ) -> torch.Tensor:
     """logits [N, V], temperature [N], top_k [N] int32, top_p [N], min_p [N], seeds [N] int64, counters [N] int64
-    → tokens [N] int64. See `reference.sample`."""
+    → tokens [N] int64. See `reference.sample` (and its two promises, `is_filtered` and `has_greedy`)."""
+    hints = dict(is_filtered=is_filtered, has_greedy=has_greedy)
     if use_triton(logits):
-        return kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
-    return reference.sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
+        return kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, counters, **hints)
+    return reference.sample(logits, temperature, top_k, top_p, min_p, seeds, counters, **hints)
 
 
 __all__ = ["compute_logprobs", "sample", "top_logprobs", "tree_accept", "tree_accept_greedy", "tree_accept_loop"]

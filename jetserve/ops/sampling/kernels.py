@@ -314,14 +314,22 @@ def sample(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    *,
+    is_filtered: bool = True,
+    has_greedy: bool = True,
 ) -> torch.Tensor:
-    """Same contract and draws as `reference.sample`, up to last-ulp rounding (softmax, log, the order of mass sums),
-    which can only change a token at a near-tie: logits [N, V], per-row temperature/top_k/top_p/min_p/seeds/counters
-    [N] → [N] int64. No host synchronisation; the same kernels for every batch composition."""
+    """Same contract, promises and draws as `reference.sample`, up to last-ulp rounding (softmax, log, the order of
+    mass sums), which can only change a token at a near-tie: logits [N, V], per-row
+    temperature/top_k/top_p/min_p/seeds/counters [N] → [N] int64. No host synchronisation; a row draws the same token
+    whichever kernels its batch takes. `is_filtered=False` skips the keep threshold — the top-C `torch.topk`, one
+    block per row, most of a small batch's time — whose value for an unfiltered row is exactly 0."""
     check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
     num_rows, vocab_size = logits.shape
     probs, row_mass = tempered_probs(logits, temperature)  # [N, V], [N]
-    threshold = keep_threshold(probs, top_k, top_p, min_p, row_mass)  # [N, 1]
+    if is_filtered:
+        threshold = keep_threshold(probs, top_k, top_p, min_p, row_mass)  # [N, 1]
+    else:  # `_threshold_kernel`'s value for a row with every filter off
+        threshold = torch.zeros(num_rows, 1, dtype=torch.float32, device=logits.device)  # [N, 1]
     num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
     seeds, counters = dense(seeds, counters)
     best_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
@@ -341,4 +349,6 @@ def sample(
         )
     # splits cover increasing index ranges, so argmax's first maximum is also the lowest index among ties
     winner = best_index.gather(1, best_score.argmax(dim=1, keepdim=True)).squeeze(1).long()  # [N]
+    if not has_greedy:
+        return winner
     return torch.where(temperature <= 0, logits.argmax(dim=-1), winner)

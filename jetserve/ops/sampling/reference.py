@@ -105,6 +105,9 @@ def sample(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    *,
+    is_filtered: bool = True,
+    has_greedy: bool = True,
 ) -> torch.Tensor:
     """One token per row: argmax where temperature == 0, else a filtered draw from softmax(logits / temperature).
 
@@ -114,11 +117,21 @@ def sample(
     the survivors with u from `uniform_noise` (fp32 throughout; ties to the lowest index), which picks token i with
     probability p_i / Σ_kept p. Returns [N] int64. Parameter ranges (temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1)
     are the caller's to check: checking here would sync the host.
+
+    Two promises a caller that knows the parameters on the host can make, to skip work (the draws stay the same):
+    `is_filtered=False` — no row with temperature > 0 filters (top_k 0, top_p 1, min_p 0), so every threshold is 0
+    and is not computed; `has_greedy=False` — no row has temperature 0, so no argmax is taken.
     """
     check_sample_inputs(logits, temperature, top_k, top_p, min_p, seeds, counters)
-    probs, threshold, is_greedy = filtered_distribution(logits, temperature, top_k, top_p, min_p)  # [N, V], [N, 1]
+    probs, is_greedy = tempered_probs(logits, temperature)  # [N, V], [N]
+    if is_filtered:
+        threshold = keep_threshold(probs, top_k, top_p, min_p)  # [N, 1]
+    else:  # what keep_threshold gives a row with every filter off: every token survives
+        threshold = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     race = -torch.log(uniform_noise(seeds, counters, logits.shape[1]))  # [N, V] exponential, ≥ 6e-8
     scores = torch.where(probs >= threshold, probs / race, -1.0)  # [N, V]
+    if not has_greedy:
+        return scores.argmax(dim=-1)
     return torch.where(is_greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
 

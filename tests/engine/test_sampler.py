@@ -1,0 +1,64 @@
+"""The engine's Sampler: per-slot parameters on the device, and the least work that draws the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jetserve.engine import sampler as sampler_module
+from jetserve.engine.sampler import Sampler
+from jetserve.sampling_params import SamplingParams
+
+VOCAB = 300
+
+
+def make_sampler(params: dict[int, SamplingParams]) -> Sampler:
+    sampler = Sampler(num_slots=8, device=torch.device("cpu"))
+    for slot, p in params.items():
+        sampler.set_slot(slot, p, seed=1000 + slot)
+    sampler.sync()
+    return sampler
+
+
+def spy_on_sample(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Record the promises each `sample` call is made with."""
+    calls: list[dict] = []
+    sample = sampler_module.sample
+
+    def spied(*args, **kwargs):
+        calls.append(kwargs)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "sample", spied)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({1: SamplingParams(temperature=0), 2: SamplingParams(temperature=0)}, None),  # argmax only
+        ({1: SamplingParams(temperature=0.8), 2: SamplingParams(temperature=1.2)}, (False, False)),
+        ({1: SamplingParams(temperature=0), 2: SamplingParams(temperature=1.0)}, (False, True)),
+        ({1: SamplingParams(temperature=0.8, top_p=0.9), 2: SamplingParams(temperature=1.0)}, (True, False)),
+        ({1: SamplingParams(temperature=0.8, top_k=5), 2: SamplingParams(temperature=0)}, (True, True)),
+        ({1: SamplingParams(temperature=0.8, min_p=0.1), 2: SamplingParams(temperature=1.0)}, (True, False)),
+        # A greedy row's filters do not count: it takes the argmax.
+        ({1: SamplingParams(temperature=0, top_k=5), 2: SamplingParams(temperature=1.0)}, (False, True)),
+    ],
+)
+def test_sampler_takes_the_least_work_that_draws_the_same_tokens(monkeypatch, params, expected) -> None:
+    sampler = make_sampler(params)
+    calls = spy_on_sample(monkeypatch)
+    slots = np.array(sorted(params), dtype=np.int64)  # [N]
+    state_indices = torch.from_numpy(slots).int()
+    counters = torch.tensor([5, 9], dtype=torch.int64)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3)) * 3  # [N, V]
+    tokens = sampler(logits, state_indices, counters, slots)
+    if expected is None:
+        assert calls == []
+    else:
+        assert calls == [dict(is_filtered=expected[0], has_greedy=expected[1])]
+    # The full path (no promises) draws the same tokens.
+    assert torch.equal(tokens, sampler(logits, state_indices, counters, None))
+    assert calls[-1] == dict(is_filtered=True, has_greedy=True)

@@ -2,7 +2,8 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,profile,spec,linear,long,tp (default: the first four); long is the
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,linear,long,tp (default: the first four);
+#   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps)
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
@@ -51,6 +52,18 @@ case ",$STAGES," in *,kernels,*)
 case ",$STAGES," in *,offline,*)
   run bench_offline python3 -m jetserve.cli bench offline --config 2b --batch-sizes 1,64,256 --input-len 4096 \
     --output-len 64 --json ;; esac
+case ",$STAGES," in *,overlap,*)  # the same decode benchmark with decode steps launched ahead, and without
+  OFFLINE=(python3 -m jetserve.cli bench offline --config 2b --batch-sizes 1,64,256 --input-len 4096 --output-len 64
+           --json)
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    CUDA_VISIBLE_DEVICES=0 run bench_overlap_on "${OFFLINE[@]}" --overlap-scheduling &
+    on_lane=$!
+    CUDA_VISIBLE_DEVICES=1 run bench_overlap_off "${OFFLINE[@]}" --no-overlap-scheduling
+    wait $on_lane || status=1
+  else
+    run bench_overlap_on "${OFFLINE[@]}" --overlap-scheduling
+    run bench_overlap_off "${OFFLINE[@]}" --no-overlap-scheduling
+  fi ;; esac
 case ",$STAGES," in *,profile,*)
   run profile_decode python3 bench/profile_decode.py --config 2b --batch-sizes 1,64 --input-len 4096 --steps 20 \
     --json "$OUT_DIR/profile.jsonl" ;; esac

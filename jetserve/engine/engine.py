@@ -202,8 +202,8 @@ class LLMEngine:
         With `config.overlap_scheduling`, plain decode steps run one ahead: a call launches the decode step after
         the one in flight (its inputs are that step's tokens, still on the device), and only then waits for the
         one in flight and postprocesses it, so the host's work overlaps the device's. Each call still returns one
-        step's outputs. Anything else (prefill, speculation, log-probs) runs synchronously, once the pipeline has
-        drained: it drains when a waiting request could be admitted or pages run short (`_launch_next`).
+        step's outputs. Anything else (prefill, verify steps, log-probs) runs synchronously, once the pipeline has
+        drained (`_launch_next` says when).
         """
         start = time.perf_counter()
         launch = self._in_flight
@@ -252,8 +252,8 @@ class LLMEngine:
     def _launch_next(self, prev: DecodeLaunch) -> DecodeLaunch | None:
         """Launch the decode step after `prev` (not yet resolved) for its sequences that will still run after it;
         None to drain instead, so that the next call schedules: when a waiting request could be admitted, when
-        every sequence ends at `prev` (or has ended), or when the pages for the step do not fit (the scheduler then
-        preempts)."""
+        every sequence ends at `prev` (or has ended), when the pages for the step do not fit (the scheduler then
+        preempts), or, speculating, when the policy picks a draft shape for the step or a draft ring would wrap."""
         if not self.config.overlap_scheduling or self.scheduler.can_admit():
             return None
         # A sequence whose token from `prev` reaches its length limit runs no further step: it would only be

@@ -69,7 +69,7 @@ class Sampler:
             is_sampled = bool(is_random.any())
             filters = (host["top_k"][slots] > 0) | (host["top_p"][slots] < 1) | (host["min_p"][slots] > 0)  # [N]
             is_filtered = bool((is_random & filters).any())
-            has_greedy = not is_random.all()
+            has_greedy = not bool(is_random.all())
         if not is_sampled:
             return logits.argmax(dim=-1)
         rows = self.rows(state_indices, counters)

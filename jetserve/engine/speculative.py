@@ -396,7 +396,9 @@ class SpecDecoder:
 
     def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> None:
         """Before `catch_up` on PREFILL chunks [s, s + n): flush what each sequence missed before s; afterwards the
-        draft holds [0, s + n)."""
+        draft holds [0, s + n). A draft shape the policy chose ahead (`plan_decode_ahead`) was for a decode step that
+        this PREFILL step (an admission after the drain) replaced: it is dropped, not applied to a later batch."""
+        self._next_option = None
         self.flush(seqs, slots_host, starts)
         for slot, start, n in zip(slots_host.tolist(), starts, lens, strict=True):
             assert self.draft_len[slot] == start, "the draft cache must reach a prefill chunk's start"

@@ -727,3 +727,18 @@ def test_overlapped_plain_steps_ask_the_policy_once_per_step(tiny_checkpoint, ti
     assert run(engine, chosen, params) == _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     assert counts["ahead"] > 10 and engine.num_verify_steps >= 1
     assert counts["choose"] == counts["resolved"] + counts["sync_decode"] + engine.num_verify_steps
+
+
+def test_a_choice_made_ahead_is_dropped_by_a_prefill_step(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """A draft shape kept for the next VERIFY step does not outlive a PREFILL step that came instead (an admission
+    after the drain): the next decode batch asks the policy again."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **TREE)
+    engine.add_request("a", prompts[0], greedy(max_tokens=4))
+    engine.step()  # prefill
+    engine.spec._next_option = 1  # as plan_decode_ahead leaves it
+    engine.add_request("b", prompts[1], greedy(max_tokens=4))
+    engine.step()  # a PREFILL step (b's prompt, a riding along)
+    assert engine.spec._next_option is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.is_idle_and_clean()

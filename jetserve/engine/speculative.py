@@ -79,7 +79,9 @@ class AdaptivePolicy:
     confirming the best option the interval doubles (to `MAX_EXPLORE_EVERY`), so a draft that never pays costs ever
     fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes the choice. Plain
     decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never makes
-    decoding slower.
+    decoding slower. With overlap scheduling the engine times plain decoding only by steps launched ahead (its
+    steady state; a plain step right after a verify step runs unoverlapped), so an exploration of plain decoding
+    runs two steps: the second is launched ahead and timed.
     Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as room allows).
     """
 
@@ -95,6 +97,7 @@ class AdaptivePolicy:
         self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
         self.exploring: dict[int, tuple[int, int]] = {}  # bucket → (step, best option) of an exploration not yet judged
+        self.plain_again: set[int] = set()  # buckets whose next step continues an exploration of plain decoding
 
     def tokens_per_step(self, option: int) -> float:
         if option < 0:
@@ -111,6 +114,9 @@ class AdaptivePolicy:
         bucket = batch_bucket(num_seqs)
         step = self.bucket_steps.get(bucket, 0)
         self.bucket_steps[bucket] = step + 1
+        if bucket in self.plain_again:
+            self.plain_again.discard(bucket)
+            return -1
         options = [*range(len(self.shapes)), -1]
         unmeasured = [c for c in options if (c, bucket) not in self.step_seconds]
         if unmeasured:
@@ -125,7 +131,10 @@ class AdaptivePolicy:
         if step >= self.next_explore.get(bucket, EXPLORE_EVERY - 1):
             self.exploring[bucket] = (step, best)
             self.next_explore[bucket] = step + self.explore_every.get(bucket, EXPLORE_EVERY)
-            return min(options, key=lambda c: self.last_used.get((c, bucket), -1))
+            option = min(options, key=lambda c: self.last_used.get((c, bucket), -1))
+            if option < 0:
+                self.plain_again.add(bucket)
+            return option
         return best
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:

@@ -7,6 +7,7 @@ and no page or slot leaks."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 
@@ -727,6 +728,36 @@ def test_overlapped_plain_steps_ask_the_policy_once_per_step(tiny_checkpoint, ti
     assert run(engine, chosen, params) == _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     assert counts["ahead"] > 10 and engine.num_verify_steps >= 1
     assert counts["choose"] == counts["resolved"] + counts["sync_decode"] + engine.num_verify_steps
+
+
+@pytest.mark.parametrize("pattern", ["alternating", "plain"])
+def test_only_plain_steps_launched_ahead_are_timed(tiny_checkpoint, tiny_model, draft_dir, prompts, pattern):
+    """With overlap scheduling, a plain step that starts with the pipeline empty (right after a verify step) runs
+    unoverlapped and is not timed for the policy; steps launched ahead are. Timing the first kind made plain
+    decoding look slower the more often speculation was chosen (a loop that ran 77% verify steps at 0.51x)."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **TREE)
+    policy = engine.spec.policy
+    script = itertools.cycle([0, -1] if pattern == "alternating" else [-1])
+    policy.choose = lambda num_seqs: next(script)
+    timed = []
+    policy.record_step = lambda option, num_seqs, seconds: timed.append(option)
+    params = greedy(max_tokens=24)
+    assert run(engine, [prompts[0]], params) == _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, [prompts[0]],
+                                                                params)  # fmt: skip
+    if pattern == "alternating":  # every plain step follows a verify step, and the next is a verify step again
+        assert engine.num_verify_steps >= 5 and -1 not in timed
+    else:
+        assert timed.count(-1) >= 20
+
+
+def test_an_exploration_of_plain_decoding_runs_two_steps():
+    """The second step of a plain exploration is the one launched ahead, and timed (see the test above)."""
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    policy.step_seconds |= {(0, 1): 1.0, (-1, 1): 1.0}
+    policy.mean_accepted[0] = 2.0  # the shape yields 3 tokens per step: the best option
+    policy.last_used |= {(0, 1): 5, (-1, 1): 0}  # plain decoding is the least recently measured
+    policy.bucket_steps[1] = EXPLORE_EVERY - 1
+    assert [policy.choose(1) for _ in range(4)] == [-1, -1, 0, 0]
 
 
 def test_a_choice_made_ahead_is_dropped_by_a_prefill_step(tiny_checkpoint, tiny_model, draft_dir, prompts):

@@ -63,12 +63,8 @@ def main() -> None:
     p.add_argument("--models", default="2b,4b")
     p.add_argument("--budgets-mb", default="0,4,8,16,32,64")
     p.add_argument("--gap-us", default="8,2", help="spin after the input GEMM, and after o_proj and down_proj")
-    p.add_argument("--piece-bytes", default="", help="pieces one thread prefetches, e.g. 16,4096,65536 (a sweep)")
     p.add_argument("--json")
     args = p.parse_args()
-    from jetserve.ops.linear import kernels as gemv
-
-    pieces = [int(b) for b in args.piece_bytes.split(",")] if args.piece_bytes else [gemv.PREFETCH_PIECE_BYTES]
     device, dtype = "cuda", torch.bfloat16
     copy_bw, _ = ceilings(device)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
@@ -78,8 +74,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"{name}: copy {copy_bw / 1e9:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB; gaps {gaps_ms[0] * 1e3:.1f} and "
           f"{gaps_ms[1] * 1e3:.1f} µs (spin kernels)")  # fmt: skip
-    print(f"{'model':5} {'piece B':>7} {'budget MiB':>10} | {'µs/layer':>8} {'roofline µs':>11} "
-          f"{'of roofline':>11} | {'exact':>5}")  # fmt: skip
+    print(f"{'model':5} {'budget MiB':>10} | {'µs/layer':>8} {'roofline µs':>11} {'of roofline':>11} | {'exact':>5}")
     out = open(args.json, "a") if args.json else None
     gen = torch.Generator(device=device).manual_seed(0)
     for preset in args.models.split(","):
@@ -92,23 +87,19 @@ def main() -> None:
         x = torch.randn(1, shapes["in"][1], device=device, generator=gen).to(dtype)
         roofline_us = layer_bytes / copy_bw * 1e6  # the weights at the copy bandwidth: the gaps could hide under it
         reference = None
-        grid = [(piece, int(b) << 20) for piece in pieces for b in args.budgets_mb.split(",")]
-        for piece, budget in grid:
-            gemv.PREFETCH_PIECE_BYTES = piece
+        for budget in (int(b) << 20 for b in args.budgets_mb.split(",")):
             hints = [w.reshape(-1)[: budget // dtype.itemsize] if budget else None for w in order[1:] + order[:1]]
             run = (x, layers, shapes["o"][1], hints, cycles)
             result = run_chain(*run)
             reference = result if reference is None else reference
             exact = bool(torch.equal(result, reference))
             us = time_ms(lambda run=run: run_chain(*run), device) * 1e3 / num_layers
-            row = {"model": preset, "piece_bytes": piece, "budget_mib": budget >> 20, "us_per_layer": us,
-                   "roofline_us": roofline_us,
+            row = {"model": preset, "budget_mib": budget >> 20, "us_per_layer": us, "roofline_us": roofline_us,
                    "roofline_fraction": roofline_us / us, "exact": exact, "layer_bytes": layer_bytes,
                    "num_layers": num_layers, "gap_us": [g * 1e3 for g in gaps_ms], "copy_gb_per_s": copy_bw / 1e9,
                    "device": name}  # fmt: skip
             fraction = roofline_us / us
-            print(f"{preset:5} {piece:>7} {budget >> 20:>10} | {us:8.1f} {roofline_us:11.1f} {fraction:11.1%} | "
-                  f"{exact!s:>5}")  # fmt: skip
+            print(f"{preset:5} {budget >> 20:>10} | {us:8.1f} {roofline_us:11.1f} {fraction:11.1%} | {exact!s:>5}")
             if out:
                 out.write(json.dumps(row) + "\n")
 

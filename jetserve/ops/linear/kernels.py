@@ -29,8 +29,6 @@ MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (i
 INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
 PREFETCH_ALIGN = 16  # the bulk prefetch's address and size granularity (bytes)
 PREFETCH_LANES_PER_WARP = 32  # one prefetch per thread: a program's share is cut into 32 · num_warps pieces
-PREFETCH_PIECE_BYTES = 4096  # the smallest piece one thread prefetches (a multiple of PREFETCH_ALIGN): fewer, larger
-# bulk prefetches (the first GPU run cut every share into 32 · num_warps pieces of ~100 bytes)
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -382,9 +380,8 @@ def _launch(
     grid = (triton.cdiv(n, t.block_n), num_splits)
     pf_lanes = PREFETCH_LANES_PER_WARP * t.num_warps if prefetch is not None else 0
     pf_piece = 0
-    if prefetch is not None:  # one piece per thread (the first programs' threads when pieces are few), aligned
-        share = triton.cdiv(prefetch[1], grid[0] * grid[1] * pf_lanes)
-        pf_piece = max(PREFETCH_PIECE_BYTES, triton.cdiv(share, PREFETCH_ALIGN) * PREFETCH_ALIGN)
+    if prefetch is not None:  # each thread of each program one piece, a multiple of PREFETCH_ALIGN bytes
+        pf_piece = triton.cdiv(triton.cdiv(prefetch[1], grid[0] * grid[1] * pf_lanes), PREFETCH_ALIGN) * PREFETCH_ALIGN
     _linear_kernel[grid](
         x,
         weight,

@@ -163,13 +163,12 @@ def main() -> None:
         help="decode steps launched ahead (the engine's default; steps launched ahead skip the scheduler); the "
         "phase breakdown synchronises at every phase boundary, so its phases add up to a step without overlap",
     )  # fmt: skip
-    p.add_argument("--l2-prefetch-mb", type=int, default=EngineConfig.l2_prefetch_mb)
     args = p.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device("cuda")
     model = random_model(args.config, "bfloat16", device, seed=0)
     config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4 * args.steps + 256,
-                          overlap_scheduling=args.overlap_scheduling, l2_prefetch_mb=args.l2_prefetch_mb)  # fmt: skip
+                          overlap_scheduling=args.overlap_scheduling)  # fmt: skip
     engine = LLMEngine(config, model=model, tokenizer=None)
     bandwidth = measure_copy_bandwidth(device)
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]

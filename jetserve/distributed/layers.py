@@ -13,10 +13,7 @@ from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
 
 class RowParallelLinear(nn.Module):
     """`y = all_reduce(x_local W_localᵀ)`: the rank holds the input columns of its heads (or MLP channels), so its
-    product is a partial sum of the full output. No bias (o_proj and down_proj have none). `prefetch_next` as
-    `model.layers.Linear`'s: the next GEMM's weight shard comes into L2 while the all-reduce runs."""
-
-    prefetch_next: torch.Tensor | None = None
+    product is a partial sum of the full output. No bias (o_proj and down_proj have none)."""
 
     def __init__(self, in_features: int, out_features: int, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -25,18 +22,17 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(linear(x, self.weight, prefetch=self.prefetch_next))  # [T, out], rank sum
+        return self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
 
     def forward_gated_norm(
         self, o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """`self(gated_rms_norm(o, norm_weight, gate))` for this rank's heads, the norm fused into the GEMM."""
-        o = gated_norm_linear(o, gate, norm_weight, eps, self.weight, prefetch=self.prefetch_next)
-        return self.group.all_reduce(o)  # [T, out]
+        return self.group.all_reduce(gated_norm_linear(o, gate, norm_weight, eps, self.weight))  # [T, out]
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`self(silu(gate) * up)` for this rank's [gate | up] channels, the activation fused into the GEMM."""
-        return self.group.all_reduce(swiglu_linear(gate_up, self.weight, prefetch=self.prefetch_next))  # [T, out]
+        return self.group.all_reduce(swiglu_linear(gate_up, self.weight))  # [T, out]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}"

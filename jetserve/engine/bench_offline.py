@@ -51,10 +51,6 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="launch each plain decode step before reading the previous one's tokens (default: on)",
     )  # fmt: skip
-    p.add_argument(
-        "--l2-prefetch-mb", type=int, default=EngineConfig.l2_prefetch_mb,
-        help="MiB of the next GEMM's weight each decode GEMM prefetches into L2 (0: off)",
-    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) the model is split over (one process each)"
@@ -204,7 +200,6 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         overlap_scheduling=args.overlap_scheduling,
-        l2_prefetch_mb=args.l2_prefetch_mb,
         seed=args.seed,
     )
 

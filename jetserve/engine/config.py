@@ -16,8 +16,6 @@ class EngineConfig:
     without a memory query (the CPU) the plan sizes the caches from `cpu_cache_bytes` instead.
     `overlap_scheduling` launches each plain decode step before reading the previous one's tokens, so the host's
     scheduling and postprocessing overlap the device's work (not with speculation or log-probs).
-    `l2_prefetch_mb`: each decode-time skinny GEMM brings the first this-many MiB of the next GEMM's weight into L2
-    behind its own tail (`jetserve.model.prefetch`; Hopper and later, else ignored); 0 turns it off.
     """
 
     model: str = ""
@@ -40,7 +38,6 @@ class EngineConfig:
     spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
     enforce_eager: bool = False  # no CUDA graphs
     overlap_scheduling: bool = True  # decode one step ahead: launch step k + 1 before reading step k's tokens
-    l2_prefetch_mb: int = 0  # MiB of the next GEMM's weight each decode GEMM prefetches into L2 (0: off)
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)
@@ -60,8 +57,6 @@ class EngineConfig:
         if self.num_slots is not None and self.num_slots < 2:
             raise ValueError(f"num_slots: must be ≥ 2 (slot 0 is reserved), got {self.num_slots}")
         self._check_speculation()
-        if self.l2_prefetch_mb < 0:
-            raise ValueError(f"l2_prefetch_mb: must be ≥ 0, got {self.l2_prefetch_mb}")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size: must be ≥ 1, got {self.cuda_graph_max_batch_size}")
         for name in ("tensor_parallel_size", "data_parallel_size"):

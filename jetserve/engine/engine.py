@@ -24,7 +24,6 @@ from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import Phase
 from jetserve.model.fusion import fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
-from jetserve.model.prefetch import plan_l2_prefetch
 from jetserve.model.vision import VisionEncoder
 from jetserve.multimodal.inputs import ImageInputs
 from jetserve.sampling_params import SamplingParams
@@ -74,7 +73,6 @@ class LLMEngine:
         if tokenizer is None:
             tokenizer = _load_tokenizer_if_present(config.tokenizer or config.model)
         self.model = fuse_projections(model)  # a no-op for the loaders' models; a model built otherwise is fused here
-        plan_l2_prefetch(self.model, config.l2_prefetch_mb << 20)
         self.vision = _load_vision_if_present(config.model, model)  # jet_vlm: SigLIP tower + projector, else None
         self.model_config = model.config
         self.tokenizer = tokenizer

@@ -38,7 +38,6 @@ class InputProjections:
     Both paths run the same GEMM on the same values."""
 
     fused_input: FusedWeights | None = None
-    prefetch_next: torch.Tensor | None = None  # what the group's GEMM brings into L2 after it (`model.prefetch`)
 
     def input_projections(self) -> tuple[nn.Linear, ...]:
         raise NotImplementedError
@@ -51,10 +50,10 @@ class InputProjections:
             logger.warning("%s: parameters replaced after fuse_projections; unfused until it runs again", _name(self))
             self.fused_input = fused = None  # drop the stale copy: its storage is no longer the parameters'
         if fused is not None and not (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
-            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols, prefetch=self.prefetch_next)
+            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols)
         weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
         bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
-        return linear(x, weight, bias, silu_cols=silu_cols, prefetch=self.prefetch_next)
+        return linear(x, weight, bias, silu_cols=silu_cols)
 
     def fuse_input_projections(self) -> None:
         """Concatenate the group's weights (and biases) into one tensor and re-point each Linear's parameters at its

@@ -12,12 +12,10 @@ from jetserve.ops.norm import rms_norm
 
 class Linear(nn.Linear):
     """nn.Linear through `ops.linear` (the Triton skinny GEMM for decode-sized inputs, cuBLAS otherwise); same
-    parameters and state_dict names. `prefetch_next`: what its GEMM brings into L2 after it (`model.prefetch`)."""
-
-    prefetch_next: torch.Tensor | None = None
+    parameters and state_dict names."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, prefetch=self.prefetch_next)
+        return linear(x, self.weight, self.bias)
 
     def forward_gated_norm(
         self, o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float
@@ -25,12 +23,12 @@ class Linear(nn.Linear):
         """`self(gated_rms_norm(o, norm_weight, gate))` for o, gate [T, H·V] (heads of V = norm_weight's size), the
         norm fused into the GEMM."""
         assert self.bias is None, "the fused gated-norm GEMM has no bias"
-        return gated_norm_linear(o, gate, norm_weight, eps, self.weight, prefetch=self.prefetch_next)
+        return gated_norm_linear(o, gate, norm_weight, eps, self.weight)
 
     def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`self(silu(gate) * up)` for gate_up [T, 2 in] = [gate | up], the activation fused into the GEMM."""
         assert self.bias is None, "the fused SwiGLU GEMM has no bias"
-        return swiglu_linear(gate_up, self.weight, prefetch=self.prefetch_next)
+        return swiglu_linear(gate_up, self.weight)
 
 
 class RMSNorm(nn.Module):

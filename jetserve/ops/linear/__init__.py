@@ -15,56 +15,42 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
 ) -> torch.Tensor:
     """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype, SiLU on output columns
     [0, silu_cols). See `reference.linear`.
 
     Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
-    fp16/bf16/fp32 and autograd does not need the product; else `F.linear`. `prefetch`: a contiguous tensor the
-    Triton launch brings into L2 after its own loads (sm_90 on; the next GEMM's weight, say); a hint, ignored
-    elsewhere — the result is the same.
+    fp16/bf16/fp32 and autograd does not need the product; else `F.linear`.
     """
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.linear(x, weight, bias, silu_cols=silu_cols, prefetch=prefetch)
-    return reference.linear(x, weight, bias, silu_cols=silu_cols, prefetch=prefetch)
+        return kernels.linear(x, weight, bias, silu_cols=silu_cols)
+    return reference.linear(x, weight, bias, silu_cols=silu_cols)
 
 
-def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, 2K] = [gate | up] → `silu(gate) * up` times weight [N, K]ᵀ, [M, N] in x.dtype: one Triton launch under
-    the same conditions as `linear`, else `silu_and_mul` then `F.linear`. See `reference.swiglu_linear`; `prefetch`
-    as in `linear`."""
+    the same conditions as `linear`, else `silu_and_mul` then `F.linear`. See `reference.swiglu_linear`."""
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.swiglu_linear(x, weight, prefetch=prefetch)
+        return kernels.swiglu_linear(x, weight)
     return linear(silu_and_mul(x), weight)
 
 
 def gated_norm_linear(
-    o: torch.Tensor,
-    gate: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    *,
-    prefetch: torch.Tensor | None = None,
+    o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> torch.Tensor:
     """o, gate [M, H·V] → `gated_rms_norm` over heads of V (norm_weight [V]) times weight [N, H·V]ᵀ, [M, N] in
     o.dtype: one Triton launch under the same conditions as `linear` (and V a power of two), else `gated_rms_norm`
-    then `linear`. See `reference.gated_norm_linear`; `prefetch` as in `linear`."""
+    then `linear`. See `reference.gated_norm_linear`."""
     head = norm_weight.shape[0]
     if _takes_triton(o, weight) and o.dim() == 2 and head & (head - 1) == 0:
         from jetserve.ops.linear import kernels
 
-        return kernels.gated_norm_linear(o, gate, norm_weight, eps, weight, prefetch=prefetch)
+        return kernels.gated_norm_linear(o, gate, norm_weight, eps, weight)
     num_rows, width = o.shape
     shape = (num_rows, width // head, head)  # [M, H, V]
     y = gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps)

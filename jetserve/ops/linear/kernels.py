@@ -4,10 +4,6 @@ tile once and multiplies it by all (≤ BLOCK_M) rows of x, accumulating in fp32
 tile as the wide operand, rows of x padded to 16) or, for one row, with FMAs reduced over K once after the loop. When
 too few programs cover N to fill the GPU, K is split too: each split writes fp32 partial sums and a second launch adds
 them in a fixed order (deterministic; no atomics, no host sync: the launch can be captured in a CUDA graph).
-
-An optional prefetch target (the next GEMM's weight, say) is brought into L2 once a program has stored its outputs: its
-programs issue Hopper's bulk L2 prefetch (`cp.async.bulk.prefetch.L2`) for a share each, fire and forget, so the
-bytes stream in behind this launch's tail and the small kernels that follow it. A hint: the result does not change.
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row b
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
-PREFETCH_ALIGN = 16  # the bulk prefetch's address and size granularity (bytes)
-PREFETCH_LANES_PER_WARP = 32  # one prefetch per thread: a program's share is cut into 32 · num_warps pieces
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -64,14 +58,10 @@ def _linear_kernel(
     stride_gm,
     norm_w,
     eps,
-    pf,
-    pf_bytes,
-    pf_piece,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
     NORM_HEAD: tl.constexpr,  # > 0: the input is gated_rms_norm(x, norm_w, gate) over heads of NORM_HEAD columns
-    PF_LANES: tl.constexpr,  # > 0: after its store, each program prefetches PF_LANES pieces of pf (bytes) into L2
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -147,24 +137,6 @@ def _linear_kernel(
         if HAS_SILU:
             b_y = tl.where(o_n[None, :] < silu_cols, b_y * tl.sigmoid(b_y), b_y)
         tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
-    if PF_LANES > 0:
-        _prefetch_share(pf, pf_bytes, pf_piece, i_s * tl.num_programs(0) + i_n, PF_LANES)
-
-
-@triton.jit
-def _prefetch_share(pf, pf_bytes, pf_piece, i_p, PF_LANES: tl.constexpr):
-    """Program i_p's PF_LANES pieces of pf_piece bytes (multiples of PREFETCH_ALIGN) from pf (a byte pointer, aligned),
-    one per thread, clipped to pf_bytes: bulk L2 prefetches, nothing waited for (sm_90)."""
-    o_c = (i_p * PF_LANES + tl.arange(0, PF_LANES)).to(tl.int64) * pf_piece  # [PF_LANES] byte offsets
-    size = tl.minimum(tl.maximum(pf_bytes - o_c, 0), pf_piece).to(tl.int32)  # 0: nothing left for this thread
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [pf + o_c, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -250,33 +222,24 @@ def linear(
     *,
     silu_cols: int = 0,
     tiling: GemvTiling | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`y = x @ weightᵀ + bias`, fp32 accumulation, one rounding to x.dtype; see `reference.linear`.
 
     x [M, K] (any leading dims; rows may be strided, K must have unit stride or x is copied), weight [N, K], bias [N] or
     None → y [M, N] in x.dtype. `silu_cols` > 0 applies SiLU to output columns [0, silu_cols) before the rounding.
     Meant for few rows (decode); more than MAX_BLOCK_M rows run as several launches. `tiling` overrides the heuristic
-    (`choose_tiling`), for tests and tuning. `prefetch` (a contiguous tensor, e.g. the next GEMM's weight or its first
-    rows) is brought into L2 after the launch's own loads, on a GPU that has the bulk prefetch (sm_90 and later;
-    elsewhere it is ignored): a hint, the result is the same.
+    (`choose_tiling`), for tests and tuning.
     """
     check_linear(x, weight, bias, silu_cols)
-    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols, prefetch=prefetch)
+    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols)
 
 
-def swiglu_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    tiling: GemvTiling | None = None,
-    prefetch: torch.Tensor | None = None,
-) -> torch.Tensor:
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None) -> torch.Tensor:
     """`silu(x[:, :K]) * x[:, K:]` (rounded to x.dtype, as `silu_and_mul`) times weightᵀ in one launch: the MLP's
     activation and down projection, without the [M, K] activation written and read back. x [M, 2K] (any leading
-    dims), weight [N, K] → [M, N] in x.dtype; see `reference.swiglu_linear`. `prefetch` as in `linear`."""
+    dims), weight [N, K] → [M, N] in x.dtype; see `reference.swiglu_linear`."""
     check_swiglu_linear(x, weight)
-    return _linear(x, weight, None, tiling, gated=True, prefetch=prefetch)
+    return _linear(x, weight, None, tiling, gated=True)
 
 
 def gated_norm_linear(
@@ -287,11 +250,10 @@ def gated_norm_linear(
     weight: torch.Tensor,
     *,
     tiling: GemvTiling | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gated_rms_norm` over heads of V = norm_weight's size, then times weightᵀ, in one launch: the JetBlock's output
     norm and o_proj. o and gate [M, H·V] (gate may be a strided view), norm_weight [V] (a power of two), weight
-    [N, H·V] → [M, N] in o.dtype; see `reference.gated_norm_linear`. `prefetch` as in `linear`."""
+    [N, H·V] → [M, N] in o.dtype; see `reference.gated_norm_linear`."""
     check_gated_norm_linear(o, gate, norm_weight, weight)
     head = norm_weight.shape[0]
     num_rows, k = o.shape
@@ -299,7 +261,7 @@ def gated_norm_linear(
     if t.block_k % head:  # a tile must hold whole heads
         t = dataclasses.replace(t, block_k=max(t.block_k, head))
     norm = (gate if gate.stride(-1) == 1 else gate.contiguous(), norm_weight.contiguous(), float(eps), head)
-    return _linear(o, weight, None, t, gated=False, norm=norm, prefetch=prefetch)
+    return _linear(o, weight, None, t, gated=False, norm=norm)
 
 
 def _linear(
@@ -310,7 +272,6 @@ def _linear(
     gated: bool,
     silu_cols: int = 0,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
@@ -328,32 +289,11 @@ def _linear(
         if silu_cols:
             y[:, :silu_cols] = torch.nn.functional.silu(y[:, :silu_cols].float()).to(y.dtype)
         return y.view(*lead, n)
-    hint = prefetch_target(prefetch, x.device)
     for start in range(0, num_rows, MAX_BLOCK_M):
         rows = min(MAX_BLOCK_M, num_rows - start)
         rows_norm = None if norm is None else (norm[0][start : start + rows], *norm[1:])
-        last = start + rows == num_rows  # the last launch prefetches
-        out = y[start : start + rows]
-        x_rows = x2[start : start + rows]
-        _launch(x_rows, weight, bias, out, tiling, gated, silu_cols, rows_norm, hint if last else None)
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols, rows_norm)
     return y.view(*lead, n)
-
-
-def prefetch_target(t: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, int] | None:
-    """(t's bytes as a flat uint8 tensor, how many of them to prefetch: a multiple of PREFETCH_ALIGN), or None where
-    nothing is prefetched: no t, an empty, non-contiguous or unaligned one, another device, or a device without the
-    bulk L2 prefetch (before sm_90, or not CUDA: the interpreter)."""
-    if t is None or t.device != device or not _has_bulk_prefetch(device) or not t.is_contiguous():
-        return None
-    nbytes = t.numel() * t.element_size() // PREFETCH_ALIGN * PREFETCH_ALIGN
-    if nbytes == 0 or t.data_ptr() % PREFETCH_ALIGN:
-        return None
-    return t.reshape(-1).view(torch.uint8), nbytes
-
-
-@functools.cache
-def _has_bulk_prefetch(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _launch(
@@ -365,7 +305,6 @@ def _launch(
     gated: bool,
     silu_cols: int,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None,
-    prefetch: tuple[torch.Tensor, int] | None,
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
@@ -377,12 +316,7 @@ def _launch(
     num_splits = triton.cdiv(num_tiles, tiles_per_split)
     is_split = num_splits > 1
     partial = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=x.device) if is_split else y
-    grid = (triton.cdiv(n, t.block_n), num_splits)
-    pf_lanes = PREFETCH_LANES_PER_WARP * t.num_warps if prefetch is not None else 0
-    pf_piece = 0
-    if prefetch is not None:  # each thread of each program one piece, a multiple of PREFETCH_ALIGN bytes
-        pf_piece = triton.cdiv(triton.cdiv(prefetch[1], grid[0] * grid[1] * pf_lanes), PREFETCH_ALIGN) * PREFETCH_ALIGN
-    _linear_kernel[grid](
+    _linear_kernel[(triton.cdiv(n, t.block_n), num_splits)](
         x,
         weight,
         bias if bias is not None else y,
@@ -399,14 +333,10 @@ def _launch(
         norm[0].stride(0) if norm else 0,
         norm[1] if norm else x,
         norm[2] if norm else 0.0,
-        prefetch[0] if prefetch else x,
-        prefetch[1] if prefetch else 0,
-        pf_piece,
         HAS_BIAS=bias is not None,
         HAS_SILU=silu_cols > 0,
         GATED=gated,
         NORM_HEAD=norm[3] if norm else 0,
-        PF_LANES=pf_lanes,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,

@@ -51,20 +51,14 @@ def check_gated_norm_linear(
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-    prefetch: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
 ) -> torch.Tensor:
     """`F.linear`: x [M, K] (any leading dims), weight [N, K] (nn.Linear layout), bias [N] or None → y [M, N], x.dtype;
     then SiLU on output columns [0, silu_cols) (the JetBlock's q, k and kernel-generator columns of its fused input
     projection), in fp32, rounded to x.dtype.
 
     On a GPU this is cuBLAS (fp32 accumulation for fp16/bf16, one rounding at the end); the Triton variant matches it to
-    rounding (it applies the SiLU before its one rounding). `prefetch` is the Triton variant's L2 hint: no effect on
-    the result, nothing to do here.
+    rounding (it applies the SiLU before its one rounding).
     """
     check_linear(x, weight, bias, silu_cols)
     y = F.linear(x, weight, bias)
@@ -76,7 +70,7 @@ def linear(
     return y
 
 
-def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The MLP's activation then its down projection: `silu(gate) * up` of x [..., 2K] = [gate | up] in fp32, rounded
     to x.dtype (as `ops.norm.silu_and_mul`), times weight [N, K]ᵀ → [..., N] in x.dtype."""
     check_swiglu_linear(x, weight)
@@ -84,13 +78,7 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, prefetch: torch.Tens
 
 
 def gated_norm_linear(
-    o: torch.Tensor,
-    gate: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    *,
-    prefetch: torch.Tensor | None = None,
+    o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> torch.Tensor:
     """The JetBlock's output: `gated_rms_norm` of o over heads of V = norm_weight's size (fp32 inside, rounded to
     o.dtype), then times weight [N, H·V]ᵀ. o, gate [M, H·V] → [M, N] in o.dtype."""

@@ -60,7 +60,7 @@ def test_prefill_real_shapes(shape: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("shape", ["2B", "4B"])
-@pytest.mark.parametrize("batch", [1, 64, 256])
+@pytest.mark.parametrize("batch", [1, 5, 16, 17, 64, 256])
 def test_decode_real_shapes(shape: str, batch: int) -> None:
     from jetserve.ops.dynamic_conv.decode import dynamic_conv_decode
 

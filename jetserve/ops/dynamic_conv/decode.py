@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_decode_args
-from jetserve.ops.dynamic_conv.kernel_generator import dot_precision, kernel_tile, tiles_for
+from jetserve.ops.dynamic_conv.kernel_generator import decode_tiles_for, dot_precision, kernel_tile
 from jetserve.ops.layout import dense
 
 
@@ -114,7 +114,7 @@ def dynamic_conv_decode(
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [N, D]
     if num_rows == 0:
         return out
-    tiles = tiles_for(u, num_rows)
+    tiles = decode_tiles_for(u, num_rows)
     grid = (triton.cdiv(num_rows, tiles.block_tokens), triton.cdiv(num_channels, tiles.block_channels))
     _decode_kernel[grid](
         u,

@@ -31,6 +31,10 @@ FORCED_MODES = ("right", "wrong")
 # first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the dozens of steps
 # an average would take to forget it. Acceptance is an exponential moving average with this weight for the newest.
 TIME_SAMPLES = 5
+# Plain decoding's time is judged from at least this many steps (cheap ones): a single first sample can be an outlier
+# (a bucket's first replay), and a short run (MT-bench at batch 8: ~60 steps, no exploration before step 63) would
+# keep that estimate to its end.
+MIN_PLAIN_SAMPLES = 3
 ACCEPT_EMA = 0.05
 # Every this many steps of one batch-size bucket, the least recently measured option is tried again; each exploration
 # that leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
@@ -118,7 +122,7 @@ class AdaptivePolicy:
             self.plain_again.discard(bucket)
             return -1
         options = [*range(len(self.shapes)), -1]
-        unmeasured = [c for c in options if (c, bucket) not in self.step_seconds]
+        unmeasured = [c for c in options if len(self.recent_seconds.get((c, bucket), ())) < self.min_samples(c)]
         if unmeasured:
             return unmeasured[0]
         best = max(options, key=lambda c: self.tokens_per_step(c) / self.step_seconds[(c, bucket)])
@@ -136,6 +140,12 @@ class AdaptivePolicy:
                 self.plain_again.add(bucket)
             return option
         return best
+
+    @staticmethod
+    def min_samples(option: int) -> int:
+        """Steps an option is timed before the cost model judges it: MIN_PLAIN_SAMPLES for plain decoding, one for a
+        draft shape (a verify step costs several plain ones)."""
+        return MIN_PLAIN_SAMPLES if option < 0 else 1
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
         key = (option, batch_bucket(num_seqs))

@@ -285,6 +285,10 @@ def test_choose_tiling_at_decode_shapes() -> None:
     assert choose_tiling(2, 1536, 8960, num_sms=132).num_splits > 1  # the MLP down projection: too few tiles on N
     assert not choose_tiling(1, 1536, 8960, num_sms=132).use_dot  # one row, narrow N: FMA tiles
     assert choose_tiling(1, 8960, 1536, num_sms=132).use_dot  # one row, N fills the SMs with tensor-core tiles
+    # One row, FMA tiles (session 17's sweep): the long-K down projection takes 2 rows per program, the o_proj 8 warps
+    down, o_proj = choose_tiling(1, 1536, 8960, num_sms=132), choose_tiling(1, 1536, 3072, num_sms=132)
+    assert (down.block_n, down.block_k, down.num_warps) == (2, 1024, 4)
+    assert (o_proj.block_n, o_proj.block_k, o_proj.num_warps) == (4, 1024, 8)
 
 
 def test_fit_pipeline_keeps_the_stages_in_shared_memory() -> None:

@@ -21,6 +21,7 @@ from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear,
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
+FMA_LONG_K = 4096  # one-row FMA tiles: up to this K, 8 warps per program; past it, 2 rows per program (4 warps)
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
@@ -180,7 +181,11 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
     - Tensor-core tiles of 64 x 128 (rows padded to 16) are best from 2 rows on, and for one row once N alone gives
       every SM a tile. One program per SM with a 4-stage pipeline keeps enough bytes in flight; more programs than fit
       at once (2 per SM at 4 stages, 3 at 3 stages) cost a second wave, so a wide N takes 3 stages.
-    - One row with a narrower N takes FMA tiles of 4 x 1024 (no shared memory, many programs per SM).
+    - One row with a narrower N takes FMA tiles (no shared memory, many programs per SM) of 1024 columns of K, and
+      twice the warps in flight of the first sweep's 4 x 1024 with 4 warps: 8 warps for K ≤ FMA_LONG_K, half the
+      rows (2, so twice the programs) past it. Session 17's sweep at the 2B shapes in the model's modes, weights from
+      HBM: the gated-norm o_proj (1536 x 3072) 6.83 → 6.27 µs, the SwiGLU down projection (1536 x 8960) 13.27 →
+      11.72 µs; the decode graph at batch 1 1.831 → 1.771 ms. (The 4B shapes follow the rule, not measured.)
     - K is split (fp32 partials and a second launch) only to give each SM a program, and only into runs of at least
       MIN_TILES_PER_SPLIT tiles: shorter runs lose to their pipeline's start-up and the extra launch.
     """
@@ -193,15 +198,18 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
         programs_n = triton.cdiv(n, block_n)
         num_stages = 4 if programs_n <= 2 * num_sms else 3
         wanted_splits = num_sms // programs_n
+        num_warps = 4
     else:
-        block_m, block_n, num_stages = 1, min(4, triton.next_power_of_2(n)), 1
+        long_k = k > FMA_LONG_K
+        block_m, block_n, num_stages = 1, min(2 if long_k else 4, triton.next_power_of_2(n)), 1
         block_k = min(1024, triton.next_power_of_2(k))
         programs_n = triton.cdiv(n, block_n)
         wanted_splits = FMA_PROGRAMS_PER_SM * num_sms // programs_n
+        num_warps = 4 if long_k else 8
     num_tiles = triton.cdiv(k, block_k)
     num_splits = max(1, min(wanted_splits, num_tiles // MIN_TILES_PER_SPLIT))
     num_splits = triton.cdiv(num_tiles, triton.cdiv(num_tiles, num_splits))  # no split left without a tile
-    return GemvTiling(block_m, block_n, block_k, num_splits, use_dot, num_warps=4, num_stages=num_stages)
+    return GemvTiling(block_m, block_n, block_k, num_splits, use_dot, num_warps=num_warps, num_stages=num_stages)
 
 
 def fit_pipeline(t: GemvTiling, element_size: int, gated: bool, norm: tuple | None) -> GemvTiling:

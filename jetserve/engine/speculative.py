@@ -31,9 +31,8 @@ FORCED_MODES = ("right", "wrong")
 # first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the dozens of steps
 # an average would take to forget it. Acceptance is an exponential moving average with this weight for the newest.
 TIME_SAMPLES = 5
-# Plain decoding's time is judged from at least this many steps (cheap ones): a single first sample can be an outlier
-# (a bucket's first replay), and a short run (MT-bench at batch 8: ~60 steps, no exploration before step 63) would
-# keep that estimate to its end.
+# Plain decoding's time is judged from at least this many steps (cheap ones): a single first sample can be an outlier,
+# and a run too short to reach its first exploration (MT-bench's 128 tokens at τ 2: ~60 steps) would keep it to its end.
 MIN_PLAIN_SAMPLES = 3
 ACCEPT_EMA = 0.05
 # Every this many steps of one batch-size bucket, the least recently measured option is tried again; each exploration

@@ -386,9 +386,8 @@ def test_adaptive_policy_cost_model():
 
 
 def test_a_slow_first_plain_step_is_not_the_estimate():
-    """Plain decoding is judged from MIN_PLAIN_SAMPLES steps: a slow first one (a bucket's first replay) no longer
-    decides a short run for the tree (MT-bench at batch 8 ran 86% verify steps at 0.46x; the run ended before the
-    first exploration)."""
+    """Plain decoding is judged from MIN_PLAIN_SAMPLES steps: one slow first sample no longer decides for the tree a
+    run too short to reach its first exploration."""
     policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
     policy.mean_accepted[0] = 2.0  # the tree: 3 tokens per 1 s
     script = [(0, 1.0), (-1, 1.0), (-1, 0.1), (-1, 0.1)]  # plain: 1 s once, then 0.1 s (10 tokens per s)

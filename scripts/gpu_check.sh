@@ -2,7 +2,7 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,linear,long,tp (default: the first four);
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,linear,tiles,long,tp (default: the first four);
 #   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps)
@@ -85,4 +85,6 @@ case ",$STAGES," in *,tp,*)  # two GPUs: collectives, TP=1 against TP=2 (NCCL an
   run bench_tp env OUT="$OUT_DIR/tp" CONFIGS="${TP_CONFIGS:-2b}" BATCH_SIZES=1,64 OUTPUT_LEN=64 bash scripts/bench_tp.sh ;; esac
 case ",$STAGES," in *,linear,*)
   run bench_linear python3 bench/linear.py --json "$OUT_DIR/linear.jsonl" ;; esac
+case ",$STAGES," in *,tiles,*)  # the sweeps behind the conv decode tiles and the one-row GEMM tilings
+  run bench_tile_sweep python3 bench/tile_sweep.py --models 2b,4b --json "$OUT_DIR/tile_sweep.jsonl" ;; esac
 exit $status

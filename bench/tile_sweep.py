@@ -1,0 +1,172 @@
+"""Tile sweeps behind two fixed heuristics, at the 2B/4B decode shapes: the dynamic-conv decode kernel's tiles
+(`decode_tiles_for`, N = 1 and 16) and the skinny GEMM's one-row tilings (`choose_tiling`) in the modes the model runs
+them (fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
+rotate through copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call (median
+of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline: the bytes a
+call must move over that bandwidth), its error against the reference, and which tiling the heuristic picks now. One
+JSON line per tiling with --json FILE.
+Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm] [--json FILE]
+       python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from linear import ceilings  # noqa: E402
+from timing import time_ms  # noqa: E402
+
+L2_MULTIPLE = 4
+
+
+def weight_copies(nbytes: int, device: str) -> int:
+    """Copies of a weight whose sum passes L2_MULTIPLE times the L2 (1 off the GPU)."""
+    if device != "cuda":
+        return 1
+    return max(2, -(-L2_MULTIPLE * torch.cuda.get_device_properties(device).L2_cache_size // nbytes))
+
+
+def conv_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[str, list, Callable, object]]:
+    """(case name, tilings, run(tiles) → (seconds per call, max error, bytes), the heuristic's pick) for the conv
+    decode at N = 1 and 16;
+    `s` is one of `common.SHAPES`."""
+    from jetserve.ops.dynamic_conv import decode, reference
+    from jetserve.ops.dynamic_conv.kernel_generator import Tiles
+
+    d, g, width = s.channels, s.generator, s.conv
+    grid = itertools.product((8, 16, 32), (64, 128), (2, 4), (2, 3, 4)) if not smoke else [(8, 128, 2, 3)]
+    tilings = [Tiles(16, bd, bg, warps, stages) for bd, bg, warps, stages in grid]
+    gen = torch.Generator(device=device).manual_seed(0)
+    copies = weight_copies(d * width * g * dtype.itemsize, device)
+    w2s = [(torch.randn(d * width, g, device=device, generator=gen) * g**-0.5).to(dtype) for _ in range(copies)]
+    bias = torch.randn(d * width, device=device, generator=gen).to(dtype)
+    cases = []
+    for n in (1, 16) if not smoke else (1, 3):
+        u = torch.randn(n, d, device=device, generator=gen).to(dtype)
+        h = torch.randn(n, g, device=device, generator=gen).to(dtype)
+        slots = torch.arange(1, n + 1, device=device, dtype=torch.int32)
+        state = torch.randn(n + 1, width - 1, d, device=device, generator=gen).to(dtype)
+        want = reference.dynamic_conv_decode(u, h, w2s[0], bias, state.clone(), slots)
+        nbytes = (w2s[0].numel() + bias.numel() + 2 * u.numel() + h.numel() + 2 * n * (width - 1) * d) * dtype.itemsize
+
+        def run(tiles, u=u, h=h, slots=slots, state=state, want=want, nbytes=nbytes) -> tuple[float, float, int]:
+            original = decode.decode_tiles_for
+            if tiles is not None:
+                decode.decode_tiles_for = lambda x, rows: tiles
+            try:
+                got = decode.dynamic_conv_decode(u, h, w2s[0], bias, state.clone(), slots)  # a fresh window each
+                err = float((got.float() - want.float()).abs().max())
+                work = state.clone()  # the timed calls shift this one
+                ms = time_ms(lambda: [decode.dynamic_conv_decode(u, h, w, bias, work, slots) for w in w2s], device)
+            finally:
+                decode.decode_tiles_for = original
+            return ms / 1e3 / len(w2s), err, nbytes
+
+        cases.append((f"{s.name} dynamic_conv decode N={n}", tilings, run, decode.decode_tiles_for(u, n)))
+    return cases
+
+
+def gemm_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[str, list, Callable, object]]:
+    """The four one-row decode GEMMs of a JetBlock layer, each in its model mode."""
+    from jetserve.ops.linear import kernels, reference
+    from jetserve.ops.linear.kernels import GemvTiling
+
+    if smoke:
+        tilings = [GemvTiling(1, 4, 64, 1, False, 8, 1), GemvTiling(16, 32, 32, 2, True, 4, 2)]
+    else:
+        fma = itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2, 4))
+        dot = itertools.product((32, 64, 128), (128, 256), (3, 4), (1, 2, 4))
+        tilings = [GemvTiling(1, bn, bk, sp, False, w, 1) for bn, bk, w, sp in fma]
+        tilings += [GemvTiling(16, bn, bk, sp, True, 4, st) for bn, bk, st, sp in dot]
+    hidden, mlp, d_v = s.hidden, s.mlp, s.channels
+    d_k = s.jet_heads * s.key_dim
+    silu_cols = 2 * d_k + s.generator
+    n_in = silu_cols + 2 * d_v + 2 * s.jet_heads
+    shapes = {"fused input": (n_in, hidden), "o_proj gated norm": (hidden, d_v), "gate|up": (2 * mlp, hidden),
+              "down SwiGLU": (hidden, mlp)}  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(1)
+    cases = []
+    for name, (n, k) in shapes.items():
+        copies = weight_copies(n * k * dtype.itemsize, device)
+        weights = [(torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype) for _ in range(copies)]
+        x = torch.randn(1, 2 * k if "SwiGLU" in name else k, device=device, generator=gen).to(dtype)
+        gate = torch.randn(1, k, device=device, generator=gen).to(dtype)
+        norm_weight = torch.randn(s.value_dim, device=device, generator=gen).to(dtype)
+
+        def call(module, w, tiling, name=name, x=x, gate=gate, norm_weight=norm_weight):
+            if name == "fused input":
+                return module.linear(x, w, silu_cols=silu_cols, **tiling)
+            if name == "o_proj gated norm":
+                return module.gated_norm_linear(x, gate, norm_weight, 1e-6, w, **tiling)
+            if name == "down SwiGLU":
+                return module.swiglu_linear(x, w, **tiling)
+            return module.linear(x, w, **tiling)
+
+        want = call(reference, weights[0], {}).float()
+        nbytes = (n * k + x.numel() + n) * dtype.itemsize
+
+        def run(tiling, call=call, weights=weights, want=want, nbytes=nbytes) -> tuple[float, float, int]:
+            kw = {} if tiling is None else {"tiling": tiling}
+            got = call(kernels, weights[0], kw).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            ms = time_ms(lambda: [call(kernels, w, kw) for w in weights], device)
+            return ms / 1e3 / len(weights), err, nbytes
+
+        picked = kernels.choose_tiling(1, n, k, kernels.sm_count(x.device))
+        cases.append((f"{s.name} {name} {n}x{k} M=1", tilings, run, picked))
+    return cases
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="2b")
+    p.add_argument("--only", default="", choices=["", "conv", "gemm"])
+    p.add_argument("--json")
+    p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
+    args = p.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    from common import SHAPES  # imports the ops (and their kernels)
+
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    copy_bw, _ = ceilings(device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    print(f"{name}: copy {copy_bw / 1e9:.0f} GB/s (read + written); %copy = bandwidth / copy bandwidth")
+    out = open(args.json, "a") if args.json else None
+    for model in ["smoke"] if args.smoke else args.models.split(","):
+        s = SHAPES[model]
+        cases = []
+        if args.only in ("", "conv"):
+            cases += conv_cases(s, dtype, device, args.smoke)
+        if args.only in ("", "gemm"):
+            cases += gemm_cases(s, dtype, device, args.smoke)
+        for case, tilings, run, picked in cases:
+            rows = []
+            for tiles in [None, *tilings]:  # None: what the heuristic picks now
+                seconds, err, nbytes = run(tiles)
+                rows.append((seconds, tiles, err, nbytes))
+            rows.sort(key=lambda r: r[0])
+            print(f"\n{case}: {len(rows)} tilings, fastest first (heuristic = today's pick: {picked})")
+            print(f"{'µs':>8} {'GB/s':>6} {'%copy':>6} {'max err':>9}  tiling")
+            for seconds, tiles, err, nbytes in rows:
+                gbps = nbytes / seconds / 1e9
+                label = "heuristic" if tiles is None else repr(tiles)
+                print(f"{seconds * 1e6:8.2f} {gbps:6.0f} {gbps * 1e9 / copy_bw:6.1%} {err:9.2e}  {label}")
+                if out:
+                    row = {"case": case, "tiling": label, "us": seconds * 1e6, "gb_per_s": gbps, "bytes": nbytes,
+                           "copy_fraction": gbps * 1e9 / copy_bw, "max_err": err, "device": name,
+                           "copy_gb_per_s": copy_bw / 1e9}  # fmt: skip
+                    out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from timing import time_ms, warm_clocks  # noqa: E402
+from timing import smoke_or_gpu, time_ms, warm_clocks  # noqa: E402
 
 Projection = tuple[str, int, int, bool]  # (name, N, K, has_bias)
 L2_MULTIPLE = 4  # a timed call streams at least this many times the L2 size of weights
@@ -88,13 +88,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="append one JSON line per result to this file")
     parser.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, the tiny preset")
     args = parser.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    device, dtype = smoke_or_gpu(args.smoke)
     from jetserve.ops.linear import GEMV_MAX_ROWS
     from jetserve.ops.linear import kernels as gemv
 
-    device = "cpu" if args.smoke else "cuda"
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     models = ["tiny"] if args.smoke else args.models.split(",")
     row_counts = [int(m) for m in args.rows.split(",")]
     gen = torch.Generator(device=device).manual_seed(0)

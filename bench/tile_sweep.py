@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from linear import ceilings  # noqa: E402
-from timing import time_ms  # noqa: E402
+from timing import smoke_or_gpu, time_ms  # noqa: E402
 
 L2_MULTIPLE = 4
 
@@ -132,12 +132,9 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
     args = p.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    from common import SHAPES  # imports the ops (and their kernels)
+    device, dtype = smoke_or_gpu(args.smoke)
+    from common import SHAPES  # imports the ops (and their kernels): after the interpreter is set
 
-    device = "cpu" if args.smoke else "cuda"
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     copy_bw, _ = ceilings(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     print(f"{name}: copy {copy_bw / 1e9:.0f} GB/s (read + written); %copy = bandwidth / copy bandwidth")

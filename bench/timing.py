@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -37,3 +38,12 @@ def warm_clocks(device: str, *work: Callable[[], object]) -> None:
             for fn in work:
                 fn()
         torch.cuda.synchronize()
+
+
+def smoke_or_gpu(smoke: bool) -> tuple[str, torch.dtype]:
+    """(device, dtype) of a benchmark run: the CPU and the Triton interpreter in fp32 for a smoke run (it sets
+    TRITON_INTERPRET, so call it before any kernel module is imported), else CUDA in bf16."""
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return "cpu", torch.float32
+    return "cuda", torch.bfloat16

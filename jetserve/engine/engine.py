@@ -258,7 +258,8 @@ class LLMEngine:
         """Launch the decode step after `prev` (not yet resolved) for its sequences that will still run after it;
         None to drain instead, so that the next call schedules: when a waiting request could be admitted, when
         every sequence ends at `prev` (or has ended), when the pages for the step do not fit (the scheduler then
-        preempts), or, speculating, when the policy picks a draft shape for the step or a draft ring would wrap."""
+        preempts), or, speculating, when the policy picks a draft shape for the step (a draft ring that the step
+        would wrap catches up behind `prev` instead: `SpecDecoder.plan_decode_ahead`)."""
         if not self.config.overlap_scheduling or self.scheduler.can_admit():
             return None
         # A sequence whose token from `prev` reaches its length limit runs no further step: it would only be
@@ -275,7 +276,7 @@ class LLMEngine:
         if needed > self.block_manager.num_free_pages:
             return None
         spec = self.runner.spec
-        if spec is not None:  # speculating: the policy may want a VERIFY step, or a draft ring its catch-up
+        if spec is not None:  # speculating: the policy may want a VERIFY step
             slots = np.fromiter((seq.slot for seq in seqs), dtype=np.int64, count=len(seqs))  # [N]
             positions = np.fromiter((seq.num_computed_tokens + 1 for seq in seqs), dtype=np.int64, count=len(seqs))
             if not spec.plan_decode_ahead(seqs, slots, positions):

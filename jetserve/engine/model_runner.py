@@ -168,8 +168,8 @@ class ModelRunner:
         """Queue the decode step that follows `prev` for its rows `keep` (ascending), whose sequences `seqs` already
         hold the pages of one more token: each row's input is the token `prev` sampled, at the next position, in the
         same slot — all taken on the device, so this queues behind `prev` without waiting for it. With a
-        SpecDecoder, the caller checked that no draft ring wraps (`SpecDecoder.plan_decode_ahead`: its catch-up
-        would need `prev`'s tokens on the host); the step stores its features in the ring as any plain step does."""
+        SpecDecoder, the caller caught up any draft ring this step would wrap (`SpecDecoder.plan_decode_ahead`);
+        the step stores its features in the ring as any plain step does."""
         assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
         slots = self._claim(seqs)  # writes the new pages into the block table
         if len(keep) == len(prev.seqs):

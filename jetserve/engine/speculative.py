@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +40,10 @@ ACCEPT_EMA = 0.05
 # that leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
 MAX_EXPLORE_EVERY = 1024
+# ... and never sooner than keeps an exploration's cost (its option's step time less the best option's time for as
+# many tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
+# ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~5% of plain decoding's throughput.
+EXPLORE_BUDGET = 0.01
 # Positions per sequence that plain decode steps may leave the draft behind by (their features wait in a per-slot ring
 # buffer); a sequence that reaches it catches up on all of them in one draft forward.
 MISSED_CAPACITY = 32
@@ -77,10 +82,12 @@ class AdaptivePolicy:
     Cost model: option c (a draft shape, or plain decoding) yields τ_c tokens per sequence per step — 1 for plain
     decoding, 1 + the measured mean of accepted drafts for a shape — and takes t_c(b) seconds per step at batch
     bucket b (the measured wall time of whole engine steps). The policy picks the largest τ_c / t_c(b). Every option
-    is tried once per bucket before it is judged, and every `EXPLORE_EVERY` steps of a bucket the least recently
+    is tried once per bucket before it is judged, and `EXPLORE_EVERY` steps of a bucket later the least recently
     measured option runs again, so the estimates follow changes in acceptance and load; while explorations keep
     confirming the best option the interval doubles (to `MAX_EXPLORE_EVERY`), so a draft that never pays costs ever
-    fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes the choice. Plain
+    fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes the choice. An interval
+    is never shorter than keeps the costliest exploration within `EXPLORE_BUDGET` of the best option's time (up to
+    `MAX_EXPLORE_EVERY`), so a verify step that costs many plain steps is explored that much more rarely. Plain
     decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never makes
     decoding slower. With overlap scheduling the engine times plain decoding only by steps launched ahead (its
     steady state; a plain step right after a verify step runs unoverlapped), so an exploration of plain decoding
@@ -130,8 +137,10 @@ class AdaptivePolicy:
             interval = self.explore_every.get(bucket, EXPLORE_EVERY)
             interval = min(2 * interval, MAX_EXPLORE_EVERY) if best == best_before else EXPLORE_EVERY
             self.explore_every[bucket] = interval
-            self.next_explore[bucket] = started + interval
-        if step >= self.next_explore.get(bucket, EXPLORE_EVERY - 1):
+            self.next_explore[bucket] = started + max(interval, self.budget_steps(bucket, best))
+        elif bucket not in self.next_explore:  # every option measured for the first time (the first exploration)
+            self.next_explore[bucket] = step + max(EXPLORE_EVERY, self.budget_steps(bucket, best))
+        if step >= self.next_explore[bucket]:
             self.exploring[bucket] = (step, best)
             self.next_explore[bucket] = step + self.explore_every.get(bucket, EXPLORE_EVERY)
             option = min(options, key=lambda c: self.last_used.get((c, bucket), -1))
@@ -139,6 +148,16 @@ class AdaptivePolicy:
                 self.plain_again.add(bucket)
             return option
         return best
+
+    def budget_steps(self, bucket: int, best: int) -> int:
+        """Steps between explorations of `bucket` that keep the costliest one within EXPLORE_BUDGET of the time the
+        best option takes over them (at most MAX_EXPLORE_EVERY). An exploration of option c costs t_c less the best
+        option's time for c's tokens, t_best · τ_c / τ_best."""
+        t_best = self.step_seconds[(best, bucket)]
+        rate = self.tokens_per_step(best) / t_best
+        cost = max(self.step_seconds[(c, bucket)] - self.tokens_per_step(c) / rate
+                   for c in [*range(len(self.shapes)), -1] if c != best)  # fmt: skip
+        return min(MAX_EXPLORE_EVERY, math.ceil(max(cost, 0.0) / (EXPLORE_BUDGET * t_best)))
 
     @staticmethod
     def min_samples(option: int) -> int:
@@ -249,7 +268,8 @@ class SpecDecoder:
     draft: `store_features` (inside the decode CUDA graph, or eagerly) keeps its target features in `missed_features`
     (a ring of `MISSED_CAPACITY` positions per slot), and `flush` runs one draft forward over every position a sequence
     missed (its tokens are on the host) before the draft is next needed: a VERIFY step, a PREFILL chunk of the
-    sequence, or a decode step that would wrap the ring onto an unseen position (`before_decode`). `draft_len[slot]`
+    sequence, or a decode step that would wrap the ring onto an unseen position (`before_decode`; a step launched
+    ahead catches up to the position before it behind the step in flight: `plan_decode_ahead`). `draft_len[slot]`
     (host) counts the positions the draft cache holds. A preempted sequence recomputes through prefill, so its draft
     cache is rebuilt the same way.
     """
@@ -325,16 +345,19 @@ class SpecDecoder:
 
     def plan_decode_ahead(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> bool:
         """Overlap scheduling: may a plain DECODE step of `seqs` caching `positions_host` [N] be launched ahead, before
-        the step in flight (which caches the positions before them) is read? Not when a ring would wrap (the
-        catch-up reads the in-flight step's tokens on the host), nor when the policy, asked for this step now,
-        picks a draft shape: the choice is kept for the VERIFY step the scheduler builds next (`verify_options`), so
-        the policy decides each step once."""
-        if self.needs_flush(slots_host, positions_host).size:
-            return False
+        the step in flight (which caches the positions before them) is read? Not when the policy, asked for this
+        step now, picks a draft shape: the choice is kept for the VERIFY step the scheduler builds next
+        (`verify_options`), so the policy decides each step once. Otherwise a sequence whose ring the step would
+        wrap catches up first, queued behind the step in flight: on positions up to the one that step caches
+        (p − 1), whose tokens the host already holds (the in-flight step's input is the last token postprocessed),
+        so the pipeline keeps running; position p − 1's own feature and token follow in the ring."""
         option = self.policy.choose(len(seqs))
         if option >= 0:
             self._next_option = option
             return False
+        rows = self.needs_flush(slots_host, positions_host)
+        if rows.size:
+            self.flush([seqs[i] for i in rows], slots_host[rows], (positions_host[rows] - 1).tolist())
         return True
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:

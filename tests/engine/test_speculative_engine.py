@@ -374,13 +374,16 @@ def test_adaptive_policy_cost_model():
     # High acceptance makes the big tree worth its time: 1 + 5 tokens / 3 s > 1 + 2 / 2 s > 1 / 1 s.
     policy.mean_accepted = [5.0, 2.0]
     assert policy.choose(4) == 0
-    # Another bucket is measured on its own; exploration revisits the least recently used option.
+    # Another bucket is measured on its own; exploration revisits the least recently used option, once within the
+    # budget's interval: scheduled when the options were first measured (plain decoding best at 1 s, the big tree's
+    # cost 3 − 1 s), 2 s / (EXPLORE_BUDGET · 1 s) = 200 steps later.
     assert policy.choose(64) == 0
+    assert policy.next_explore[4] == MIN_PLAIN_SAMPLES + 2 + 200
     choices = []
-    for _ in range(EXPLORE_EVERY):
+    for _ in range(256):
         choices.append(policy.choose(4))
         policy.record_step(choices[-1], 4, {0: 3.0, 1: 2.0, -1: 1.0}[choices[-1]])
-    assert choices.count(0) == EXPLORE_EVERY - 1 and 1 in choices  # once: the least recently measured
+    assert choices.count(0) == 255 and 1 in choices  # once: the least recently measured
     fixed = AdaptivePolicy(shapes, adaptive=False)
     assert fixed.choose(256) == 0
 
@@ -416,9 +419,16 @@ def test_one_slow_step_does_not_flip_the_choice_but_a_lasting_change_does():
     assert policy.choose(1) == 0  # three of the last five plain steps slow: it is slow now
 
 
-def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does():
+@pytest.mark.parametrize(("tree_seconds", "first", "gaps"), [
+    (1.5, EXPLORE_EVERY, [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY] + [MAX_EXPLORE_EVERY] * 2),
+    (3.0, 200, [200, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY] + [MAX_EXPLORE_EVERY] * 2),
+], ids=["doubling", "budget"])  # fmt: skip
+def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does(tree_seconds, first, gaps):
+    """A tree that never pays (1 token in `tree_seconds` against plain decoding's 1 token in 1 s) is explored ever more
+    rarely: the interval doubles from EXPLORE_EVERY, and is never shorter than keeps the exploration's cost within
+    EXPLORE_BUDGET of plain decoding's time — a 3 s tree costs 2 s, so at least 2 / 0.01 = 200 steps apart."""
     policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
-    seconds = {0: 3.0, -1: 1.0}  # a tree that never pays: 1 token in 3 s against plain decoding's 1 token in 1 s
+    seconds = {0: tree_seconds, -1: 1.0}
     accepted = [0]  # drafts accepted per verify step
     explored, step = [], 0
 
@@ -434,10 +444,9 @@ def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does(
             step += 1
 
     run(4000)
-    # Steps 0 and 1 measure both options; then explorations at 63, +128, +256, +512, +1024, +1024, ...
-    gaps = [b - a for a, b in zip(explored, explored[1:], strict=False)]
-    assert explored[0] == EXPLORE_EVERY - 1
-    assert gaps[:5] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_EXPLORE_EVERY]
+    # Steps 0 .. MIN_PLAIN_SAMPLES measure both options; the first exploration is `first` steps after that.
+    assert explored[0] == 1 + MIN_PLAIN_SAMPLES + first
+    assert [b - a for a, b in itertools.pairwise(explored)][:5] == gaps
     assert policy.explore_every[1] == MAX_EXPLORE_EVERY
     # The draft starts to pay: the next exploration measures it, its judgement changes the choice, and the interval
     # snaps back to EXPLORE_EVERY.
@@ -588,10 +597,11 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     lags at most MISSED_CAPACITY positions meanwhile, and after the first verify step its K/V and hidden state, and
     the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs.
     On the graph path (run eagerly) the catch-up runs as fixed rows of MISSED_CAPACITY tokens in a padded bucket.
-    With overlap scheduling the plain steps are launched one ahead (each ring-wrap catch-up drains the pipeline), and
-    the verify step comes one step after the policy picked it (the choice was made for the step launched ahead)."""
+    With overlap scheduling every plain step is launched one ahead — a ring-wrap catch-up is queued behind the step in
+    flight instead of draining the pipeline — and the verify step comes one step after the policy picked it (the
+    choice was made for the step launched ahead)."""
     chosen = [prompts[i] for i in (1, 3, 4)]
-    params = greedy(max_tokens=64)
+    params = greedy(max_tokens=88)
     expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     always = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
     assert run(always, chosen, params) == expected
@@ -614,12 +624,12 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     engine.step()  # prefill (the draft catches up on the prompts)
     spec.policy.forced_option = -1
     max_lag = 0
-    for _ in range(MISSED_CAPACITY + 8):
+    for _ in range(2 * MISSED_CAPACITY + 8):  # two catch-ups
         engine.step()
         lags = [s.num_computed_tokens - spec.draft_len[s.slot] for s in engine.scheduler.running]
         max_lag = max(max_lag, *lags)
     assert 0 < max_lag <= MISSED_CAPACITY and spec.stats.num_verify_steps == 0
-    assert (launched_ahead[0] > MISSED_CAPACITY) == overlap
+    assert launched_ahead[0] == (2 * MISSED_CAPACITY + 8 if overlap else 0)  # no step drained for the ring
     spec.policy.forced_option = 0
     engine.step()
     if overlap:  # that call chose the shape for the step after the one in flight, and drained
@@ -655,7 +665,7 @@ def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny
     policy = engine.spec.policy
     for bucket in (1, 2, 4, 8):
         measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
-        policy.bucket_steps[bucket] = EXPLORE_EVERY - 12  # one exploration step within the run
+        policy.next_explore[bucket] = 12  # an exploration due within the run
     calls = [0]
     forward = engine.spec.draft.forward
 
@@ -728,7 +738,7 @@ def test_overlapped_plain_steps_ask_the_policy_once_per_step(tiny_checkpoint, ti
     policy = engine.spec.policy
     for bucket in (1, 2, 4, 8):  # plain decoding measured fastest, with explorations of the shapes in the run
         measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
-        policy.bucket_steps[bucket] = EXPLORE_EVERY - 12
+        policy.next_explore[bucket] = 12
     counts = {"choose": 0, "ahead": 0, "resolved": 0, "sync_decode": 0}
 
     def counting(name, fn, phase=None):
@@ -776,7 +786,7 @@ def test_an_exploration_of_plain_decoding_runs_two_steps():
     measure(policy, 1, {0: 1.0, -1: 1.0})
     policy.mean_accepted[0] = 2.0  # the shape yields 3 tokens per step: the best option
     policy.last_used |= {(0, 1): 5, (-1, 1): 0}  # plain decoding is the least recently measured
-    policy.bucket_steps[1] = EXPLORE_EVERY - 1
+    policy.next_explore[1] = 0  # an exploration is due
     assert [policy.choose(1) for _ in range(4)] == [-1, -1, 0, 0]
 
 

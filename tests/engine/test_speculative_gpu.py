@@ -5,6 +5,8 @@ and its draft in bf16, on ≥ 99.5% of tokens)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -183,6 +185,48 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
         engine.spec.forced_continuations[str(i)] = p + c
     outs = run(engine, prompts, greedy())
     assert outs == plain
+    assert engine.spec_stats.mean_acceptance_length > 4.0
+
+
+@torch.inference_mode()
+def test_gpu_plain_stretches_with_catch_ups_launched_ahead_are_exact():
+    """The policy scripted to plain stretches longer than the draft's ring (40 steps) between verify steps, with
+    overlap scheduling and graphs: each ring-wrap catch-up replays the flush graph queued behind the step in flight
+    (no drain), and the forced-right drafts verified after each stretch give the plain output token for token (fp32,
+    4 layers of the 2B shapes, as above)."""
+    model = random_model("2b", "float32", torch.device("cuda"), seed=0, num_layers=4)
+    draft = random_draft_model(model, seed=1)
+    prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7)]
+    config = EngineConfig(draft="random", spec_topk=1, spec_steps=5, device="cuda", max_num_seqs=4,
+                          max_model_len=2048, gpu_memory_utilization=0.5, overlap_scheduling=True)  # fmt: skip
+    engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance="right")
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    engine.set_speculation(False)
+    plain = run(engine, prompts, params)
+    engine.set_speculation(True)
+    spec = engine.spec
+    for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
+        spec.forced_continuations[str(i)] = p + c
+    script = itertools.cycle([-1] * 40 + [0] * 2)
+    spec.policy.choose = lambda num_seqs: next(script)
+    planning, flushes_ahead = [False], [0]
+    plan, flush = spec.plan_decode_ahead, spec.graphs.flush
+
+    def planned(*args):  # deciding a step launched ahead of the one in flight
+        planning[0] = True
+        try:
+            return plan(*args)
+        finally:
+            planning[0] = False
+
+    def counting_flush(*args):
+        flushes_ahead[0] += planning[0]
+        return flush(*args)
+
+    spec.plan_decode_ahead, spec.graphs.flush = planned, counting_flush
+    outs = run(engine, prompts, params)
+    assert outs == plain
+    assert engine.num_verify_steps >= 4 and flushes_ahead[0] >= 2
     assert engine.spec_stats.mean_acceptance_length > 4.0
 
 

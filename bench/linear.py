@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from timing import smoke_or_gpu, time_ms, warm_clocks  # noqa: E402
+from timing import copy_bandwidth, smoke_or_gpu, time_ms, warm_clocks  # noqa: E402
 
 Projection = tuple[str, int, int, bool]  # (name, N, K, has_bias)
 L2_MULTIPLE = 4  # a timed call streams at least this many times the L2 size of weights
@@ -75,7 +75,7 @@ def ceilings(device: str) -> tuple[float, float]:
     dst = torch.empty_like(src)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if device == "cuda" else None
     warm_clocks(device, lambda: dst.copy_(src), lambda: a @ a)
-    copy_bw = 2 * n / (time_ms(lambda: dst.copy_(src), device) / 1e3)
+    copy_bw = copy_bandwidth(device)
     read_bw = n / (time_ms(lambda: src.sum(), device) / 1e3)
     return copy_bw, read_bw
 

@@ -30,12 +30,16 @@ if TYPE_CHECKING:
 FORCED_MODES = ("right", "wrong")
 # An option's step time is the median of its last TIME_SAMPLES steps in a bucket: one slow step (a kernel compiled on
 # first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the dozens of steps
-# an average would take to forget it. Acceptance is an exponential moving average with this weight for the newest.
+# an average would take to forget it.
 TIME_SAMPLES = 5
 # Plain decoding's time is judged from at least this many steps (cheap ones): a single first sample can be an outlier,
 # and a run too short to reach its first exploration (MT-bench's 128 tokens at τ 2: ~60 steps) would keep it to its end.
 MIN_PLAIN_SAMPLES = 3
-ACCEPT_EMA = 0.05
+# Acceptance is the mean over an option's last ACCEPT_WINDOW verify steps (drafts accepted / drafts). It was an
+# exponential moving average weighted 0.05 for the newest step, seeded by the first: MT-bench answers open with
+# predictable tokens, so a first verify step accepting every draft kept the estimate near the tree's depth for
+# dozens of verify steps that accepted half as much (session 18: 25% verify steps at batch 8, 0.67x).
+ACCEPT_WINDOW = 8
 # Every this many steps of one batch-size bucket, the least recently measured option is tried again; each exploration
 # that leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
@@ -102,7 +106,9 @@ class AdaptivePolicy:
         self.recent_seconds: dict[tuple[int, int], collections.deque] = {}  # its last TIME_SAMPLES steps
         self.last_used: dict[tuple[int, int], int] = {}
         self.bucket_steps: dict[int, int] = {}
-        self.mean_accepted: list[float | None] = [None] * len(shapes)  # EMA of accepted drafts per sequence-round
+        self.mean_accepted: list[float | None] = [None] * len(shapes)  # accepted drafts per sequence-round
+        # per option, its last ACCEPT_WINDOW verify steps: (drafts accepted, drafts)
+        self.recent_accepted = [collections.deque(maxlen=ACCEPT_WINDOW) for _ in shapes]
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
         self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
@@ -173,9 +179,9 @@ class AdaptivePolicy:
         self.last_used[key] = self.bucket_steps.get(key[1], 0)
 
     def record_acceptance(self, option: int, accepted_drafts: list[int]) -> None:
-        mean = sum(accepted_drafts) / len(accepted_drafts)
-        old = self.mean_accepted[option]
-        self.mean_accepted[option] = mean if old is None else (1 - ACCEPT_EMA) * old + ACCEPT_EMA * mean
+        recent = self.recent_accepted[option]
+        recent.append((sum(accepted_drafts), len(accepted_drafts)))
+        self.mean_accepted[option] = sum(a for a, _ in recent) / sum(n for _, n in recent)
 
 
 @dataclass

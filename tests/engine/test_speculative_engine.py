@@ -18,6 +18,7 @@ from jetserve import envs
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
 from jetserve.engine.speculative import (
+    ACCEPT_WINDOW,
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     MIN_PLAIN_SAMPLES,
@@ -398,6 +399,20 @@ def test_a_slow_first_plain_step_is_not_the_estimate():
         assert policy.choose(1) == option
         policy.record_step(option, 1, seconds)
     assert policy.choose(1) == -1
+
+
+def test_a_lucky_first_verify_step_does_not_keep_a_losing_tree_chosen():
+    """Acceptance is the mean of the last ACCEPT_WINDOW verify steps: a first step that accepted every draft (answers
+    open with predictable tokens) is diluted by the next one, not kept near the tree's depth for dozens of steps."""
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    measure(policy, 1, {0: 3.0, -1: 1.0})  # the tree pays past 3 tokens per step
+    policy.record_acceptance(0, [3])  # 4 tokens
+    assert policy.choose(1) == 0
+    policy.record_acceptance(0, [0])  # 1 token: (3 + 0) / 2 drafts = 1.5 accepted, 2.5 tokens
+    assert policy.choose(1) == -1
+    for _ in range(ACCEPT_WINDOW):
+        policy.record_acceptance(0, [3, 3])
+    assert policy.mean_accepted[0] == 3.0  # the window moved past both
 
 
 def test_one_slow_step_does_not_flip_the_choice_but_a_lasting_change_does():

@@ -70,7 +70,7 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")
 
 
-WARMUP_TOKENS = 40  # past the draft's catch-up ring (speculative.MISSED_CAPACITY), so a ring-full flush runs too
+WARMUP_TOKENS = 40  # with a draft: its feature ring + 8 instead, so that a ring-full catch-up runs too
 
 
 @dataclass
@@ -389,10 +389,12 @@ def _report_specializations(label: str, new: Counter) -> None:
 
 
 def _warm_up(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
-    """The batch once untimed, plainly and (with a draft) speculatively, for up to WARMUP_TOKENS tokens: Triton
-    compiles a kernel per specialization of its integer arguments (== 1, multiples of 16) on first use, which on a
-    fresh machine cost the first measured run of the draft's catch-up up to seconds per step (H200, measured)."""
-    params = SamplingParams(temperature=0, max_tokens=min(WARMUP_TOKENS, max_tokens), ignore_eos=True)
+    """The batch once untimed, plainly and (with a draft) speculatively, for up to WARMUP_TOKENS tokens (with a draft,
+    past its feature ring): Triton compiles a kernel per specialization of its integer arguments (== 1, multiples of
+    16) on first use, which on a fresh machine cost the first measured run of the draft's catch-up up to seconds per
+    step (H200, measured)."""
+    tokens = WARMUP_TOKENS if engine.spec is None else engine.spec.ring + 8
+    params = SamplingParams(temperature=0, max_tokens=min(tokens, max_tokens), ignore_eos=True)
     if engine.spec is not None:
         engine.set_speculation(False)
     plain = _run(engine, prompts, params, f"warm-up b={len(prompts)}")

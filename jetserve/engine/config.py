@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Positions per sequence that plain decode steps may leave the draft behind by (their target features wait in a
+# per-slot ring); a sequence whose ring fills catches up on all of them in one draft forward. Session 18 (H200, the
+# default pair): a catch-up costs ~0.3 ms of host time and 0.11–0.15 ms of device time whatever its width up to here,
+# so a ring of 32 cost ~4% of a batch-1 step of the 16 M default model; 128 costs a quarter of that.
+DEFAULT_FEATURE_RING = 128
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class EngineConfig:
     spec_steps: int | None = None  # draft levels per step (default 3)
     spec_num_draft_tokens: int | None = None  # tree nodes per verify step, root included (default 1 + topk*steps)
     spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
+    spec_feature_ring: int | None = None  # positions the draft may lag behind plain decoding (default 128)
     enforce_eager: bool = False  # no CUDA graphs
     overlap_scheduling: bool = True  # decode one step ahead: launch step k + 1 before reading step k's tokens
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
@@ -64,7 +70,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be ≥ 1, got {getattr(self, name)}")
 
     def _check_speculation(self) -> None:
-        spec_fields = ("spec_topk", "spec_steps", "spec_num_draft_tokens")
+        spec_fields = ("spec_topk", "spec_steps", "spec_num_draft_tokens", "spec_feature_ring")
         if not self.draft:
             given = [name for name in spec_fields if getattr(self, name) is not None]
             if given:
@@ -74,6 +80,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be ≥ 1, got {value}")
+        if self.spec_feature_ring is not None and self.spec_feature_ring < 2:
+            raise ValueError(f"spec_feature_ring: must be ≥ 2, got {self.spec_feature_ring}")
         topk, steps = self.speculation
         largest = max_tree_nodes(topk, steps)
         n = self.spec_num_draft_tokens
@@ -92,6 +100,11 @@ class EngineConfig:
     def speculation(self) -> tuple[int, int]:
         """(topk, steps) with defaults filled in (meaningful only with a draft)."""
         return self.spec_topk or 1, self.spec_steps or 3
+
+    @property
+    def feature_ring(self) -> int:
+        """Positions of target features kept per sequence for the draft's deferred catch-up (default filled in)."""
+        return self.spec_feature_ring or DEFAULT_FEATURE_RING
 
     @property
     def draft_tree_size(self) -> int:

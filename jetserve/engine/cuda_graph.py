@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from jetserve.engine.speculative import MISSED_CAPACITY
 from jetserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -133,8 +132,8 @@ class SpecGraphRunner:
             T = shape.num_draft_tokens
             self.trees.append(_static_tree(B, T, device))
             self.results.append(torch.zeros(B, T + 2, dtype=torch.int64, device=device))  # [B, T_d + 2]
-        # The catch-up (`SpecDecoder.flush_rows`): rows of MISSED_CAPACITY tokens, their start, valid count and slot.
-        self.flush_ids = torch.zeros(B, MISSED_CAPACITY, dtype=torch.int64, device=device)  # [B, C]
+        # The catch-up (`SpecDecoder.flush_rows`): rows of `spec.ring` tokens, their start, valid count and slot.
+        self.flush_ids = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]
         self.flush_rows = torch.zeros(3, B, dtype=torch.int64, device=device)  # [3, B]: start, valid, slot
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = self.decode_graphs.pool
@@ -195,7 +194,7 @@ class SpecGraphRunner:
     # ---- replay ----
 
     def flush(self, ids: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> None:
-        """The draft's catch-up of N rows (ids [N, MISSED_CAPACITY], starts / valid / slots [N] int64)."""
+        """The draft's catch-up of N rows (ids [N, spec.ring], starts / valid / slots [N] int64)."""
         N = ids.shape[0]
         B = self._bucket(N)
         self.flush_ids[:N].copy_(ids)

@@ -14,7 +14,13 @@ import torch
 from jetserve.engine.block_manager import BlockManager
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graph import default_batch_sizes
-from jetserve.engine.memory_plan import MemoryPlan, cache_budget_bytes, draft_page_bytes_for, plan_memory
+from jetserve.engine.memory_plan import (
+    MemoryPlan,
+    cache_budget_bytes,
+    draft_page_bytes_for,
+    draft_slot_bytes_for,
+    plan_memory,
+)
 from jetserve.engine.model_runner import DecodeLaunch, ModelRunner, profile_activation_bytes
 from jetserve.engine.output import OutputProcessor, RequestOutput
 from jetserve.engine.scheduler import Batch, Scheduler
@@ -97,7 +103,9 @@ class LLMEngine:
         if draft is not None:
             topk, steps = config.speculation
             shapes = draft_shapes(topk, steps, config.draft_tree_size)
-            self.spec = SpecDecoder(self.runner, draft, shapes, config.spec_adaptive, forced_acceptance)
+            self.spec = SpecDecoder(
+                self.runner, draft, shapes, config.spec_adaptive, forced_acceptance, config.feature_ring
+            )
             self.runner.attach_spec(self.spec)
         self.scheduler = Scheduler(
             self.block_manager, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, eos,
@@ -126,11 +134,15 @@ class LLMEngine:
                 model, config.max_num_batched_tokens, config.max_num_seqs, num_logit_rows
             )
         budget = cache_budget_bytes(config, device, activation_bytes)
-        draft_page_bytes = 0
+        draft_page_bytes = draft_slot_bytes = 0
         if self.draft is not None:
             attn = self.draft.midlayer.self_attn
             draft_page_bytes = draft_page_bytes_for(attn.num_kv_heads, attn.head_dim, config.page_size, dtype)
-        return plan_memory(self.model_config, config, dtype, budget, draft_page_bytes)
+            draft_slot_bytes = draft_slot_bytes_for(
+                self.model_config.hidden_size, len(self.draft.capture_layers), config.feature_ring,
+                self.draft.config.hidden_size, dtype,
+            )  # fmt: skip
+        return plan_memory(self.model_config, config, dtype, budget, draft_page_bytes, draft_slot_bytes)
 
     @property
     def max_model_len(self) -> int:

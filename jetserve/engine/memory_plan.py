@@ -61,6 +61,14 @@ def slot_bytes_for(config: ModelConfig, ring_tokens: int, dtype: torch.dtype) ->
     return jet + swa
 
 
+def draft_slot_bytes_for(
+    hidden_size: int, num_capture_layers: int, feature_ring: int, draft_hidden_size: int, dtype: torch.dtype
+) -> int:
+    """What speculation keeps per state slot: the target features of `feature_ring` positions at each capture layer
+    (the draft's deferred catch-up) and the draft's hidden state at the last cached position."""
+    return (feature_ring * num_capture_layers * hidden_size + draft_hidden_size) * dtype.itemsize
+
+
 def draft_page_bytes_for(num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
     """K and V of one page of the EAGLE-3 draft's one layer (its positions use the target's `attn` pages)."""
     return 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
@@ -72,10 +80,12 @@ def plan_memory(
     dtype: torch.dtype,
     cache_budget_bytes: int,
     draft_page_bytes: int = 0,
+    draft_slot_bytes: int = 0,
 ) -> MemoryPlan:
     """Split `cache_budget_bytes` between state slots (up to `max_num_seqs`, at most half the budget) and pages,
     unless `num_pages` / `num_slots` are given. `draft_page_bytes` (speculation: the draft's K/V per page) rides on
-    every page. Raises ValueError when one full-length sequence does not fit."""
+    every page, `draft_slot_bytes` (its feature ring and hidden state per slot) on every slot. Raises ValueError when
+    one full-length sequence does not fit."""
     ec = engine_config
     page_size = ec.page_size
     user_len = ec.max_model_len
@@ -88,7 +98,7 @@ def plan_memory(
     num_draft_tokens = ec.draft_tree_size
     ring_tokens = ring_tokens_for(model_config, page_size, num_draft_tokens, max_model_len)
     page_bytes = page_bytes_for(model_config, page_size, dtype) + draft_page_bytes
-    slot_bytes = slot_bytes_for(model_config, ring_tokens, dtype)
+    slot_bytes = slot_bytes_for(model_config, ring_tokens, dtype) + draft_slot_bytes
 
     num_slots = ec.num_slots
     if num_slots is None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from jetserve.engine.config import max_tree_nodes
+from jetserve.engine.config import DEFAULT_FEATURE_RING, max_tree_nodes
 from jetserve.engine.sequence import Sequence
 from jetserve.spec.drafter import Drafter, DraftKV
 from jetserve.spec.eagle3 import Eagle3DraftModel
@@ -48,9 +48,6 @@ MAX_EXPLORE_EVERY = 1024
 # many tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
 # ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~5% of plain decoding's throughput.
 EXPLORE_BUDGET = 0.01
-# Positions per sequence that plain decode steps may leave the draft behind by (their features wait in a per-slot ring
-# buffer); a sequence that reaches it catches up on all of them in one draft forward.
-MISSED_CAPACITY = 32
 
 
 @dataclass(frozen=True)
@@ -272,12 +269,12 @@ class SpecDecoder:
     cached: `catch_up` after PREFILL (chunk [s, e) gives tokens [s + 1, e + 1), the last one the token just sampled
     where the chunk ends the sequence), `extend_after_verify` inside VERIFY. A plain DECODE step does not run the
     draft: `store_features` (inside the decode CUDA graph, or eagerly) keeps its target features in `missed_features`
-    (a ring of `MISSED_CAPACITY` positions per slot), and `flush` runs one draft forward over every position a sequence
-    missed (its tokens are on the host) before the draft is next needed: a VERIFY step, a PREFILL chunk of the
-    sequence, or a decode step that would wrap the ring onto an unseen position (`before_decode`; a step launched
-    ahead catches up to the position before it behind the step in flight: `plan_decode_ahead`). `draft_len[slot]`
-    (host) counts the positions the draft cache holds. A preempted sequence recomputes through prefill, so its draft
-    cache is rebuilt the same way.
+    (a ring of `ring` positions per slot: `EngineConfig.spec_feature_ring`), and `flush` runs one draft forward over
+    every position a sequence missed (its tokens are on the host) before the draft is next needed: a VERIFY step, a
+    PREFILL chunk of the sequence, or a decode step that would wrap the ring onto an unseen position (`before_decode`;
+    a step launched ahead catches up to the position before it behind the step in flight: `plan_decode_ahead`).
+    `draft_len[slot]` (host) counts the positions the draft cache holds. A preempted sequence recomputes through
+    prefill, so its draft cache is rebuilt the same way.
     """
 
     def __init__(
@@ -287,6 +284,7 @@ class SpecDecoder:
         shapes: list[DraftShape],
         adaptive: bool = True,
         forced: str | None = None,
+        ring: int = DEFAULT_FEATURE_RING,
     ) -> None:
         if forced is not None and forced not in FORCED_MODES:
             raise ValueError(f"forced acceptance: {forced!r} is not one of {', '.join(FORCED_MODES)}")
@@ -305,8 +303,9 @@ class SpecDecoder:
         draft.bind_cache(self.k_cache, self.v_cache)
         self.last_hidden = torch.zeros(plan.num_slots, draft.config.hidden_size, dtype=dtype, device=device)  # [S, H]
         # Target features of positions plain decode steps cached and the draft has not seen: position t of the
-        # sequence in slot s at [s, t % MISSED_CAPACITY], one [S, C, H_t] per capture layer.
-        missed_shape = (plan.num_slots, MISSED_CAPACITY, runner.config.hidden_size)
+        # sequence in slot s at [s, t % ring], one [S, ring, H_t] per capture layer.
+        self.ring = ring
+        missed_shape = (plan.num_slots, ring, runner.config.hidden_size)
         self.missed_features = [
             torch.zeros(missed_shape, dtype=runner.dtype, device=device) for _ in self.capture_layers
         ]
@@ -379,35 +378,35 @@ class SpecDecoder:
     ) -> None:
         """Keep a plain DECODE step's target features for a later `flush` instead of running the draft: inside the
         decode CUDA graph, or eagerly after an ungraphed step."""
-        index = (slots.long(), positions % MISSED_CAPACITY)
+        index = (slots.long(), positions % self.ring)
         for buffer, aux in zip(self.missed_features, aux_hidden_states, strict=True):
             buffer[index] = aux
 
     def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> None:
         """Before a plain DECODE step caches position p (positions_host [N] int64, slots_host [N]): a sequence whose
-        ring would wrap onto a position the draft has not seen (p − draft_len ≥ MISSED_CAPACITY) catches up first."""
+        ring would wrap onto a position the draft has not seen (p − draft_len ≥ ring) catches up first."""
         rows = self.needs_flush(slots_host, positions_host)
         if rows.size:
             self.flush([seqs[i] for i in rows], slots_host[rows], positions_host[rows].tolist())
 
     def needs_flush(self, slots_host: np.ndarray, positions_host: np.ndarray) -> np.ndarray:
         """Rows whose ring a step caching `positions_host` would wrap onto a position the draft has not seen."""
-        return np.flatnonzero(positions_host - self.draft_len[slots_host] >= MISSED_CAPACITY)
+        return np.flatnonzero(positions_host - self.draft_len[slots_host] >= self.ring)
 
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in
         one draft forward: position t takes (token t + 1 from the host, the stored feature at t). Rows of
-        MISSED_CAPACITY tokens replayed as a CUDA graph where one is captured for the batch, else rows of the
+        `ring` tokens replayed as a CUDA graph where one is captured for the batch, else rows of the
         longest catch-up, eagerly."""
         todo = [(seq, slot, end) for seq, slot, end in zip(seqs, slots_host.tolist(), ends, strict=True)
                 if self.draft_len[slot] < end]  # fmt: skip
         if not todo:
             return
         lens = [end - self.draft_len[slot] for _, slot, end in todo]
-        assert max(lens) <= MISSED_CAPACITY, "a sequence missed more positions than its ring holds"
+        assert max(lens) <= self.ring, "a sequence missed more positions than its ring holds"
         num_seqs = len(todo)
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(num_seqs) else None
-        width = MISSED_CAPACITY if graphs is not None else max(lens)
+        width = self.ring if graphs is not None else max(lens)
         host = np.zeros((num_seqs, width + 3), dtype=np.int64)  # per row: token ids (0-padded), start, length, slot
         for row, (seq, slot, end) in zip(host, todo, strict=True):
             start = self.draft_len[slot]
@@ -434,7 +433,7 @@ class SpecDecoder:
         first `valid` of each stored and counted; a row with none keeps its draft output."""
         num_seqs, width = ids.shape
         positions = starts[:, None] + torch.arange(width, device=ids.device)  # [N, C]
-        index = (slots[:, None].expand(-1, width), positions % MISSED_CAPACITY)
+        index = (slots[:, None].expand(-1, width), positions % self.ring)
         features = [buffer[index].flatten(0, 1) for buffer in self.missed_features]  # one [N*C, H_t] per layer
         cu = torch.arange(num_seqs + 1, device=ids.device) * width  # [N+1]
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)

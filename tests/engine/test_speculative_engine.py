@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from jetserve import envs
-from jetserve.engine.config import EngineConfig
+from jetserve.engine.config import DEFAULT_FEATURE_RING, EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.memory_plan import slot_bytes_for
 from jetserve.engine.speculative import (
     ACCEPT_WINDOW,
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     MIN_PLAIN_SAMPLES,
-    MISSED_CAPACITY,
     AdaptivePolicy,
     DraftShape,
     draft_shapes,
@@ -39,6 +39,7 @@ MAX_TOKENS = 16
 # Lengths cross the page size (4), the SWA window (16) and one prompt is a single token.
 PROMPT_LENGTHS = (1, 5, 17, 33, 2, 9, 24, 12)
 BASE_ARGS = dict(device="cpu", page_size=4, num_pages=256, num_slots=9, max_model_len=128)
+SPEC_ARGS = dict(spec_feature_ring=32)  # the draft's catch-up every 32 plain steps (the default 128 outlasts the runs)
 CHAIN = dict(spec_topk=1, spec_steps=3)
 TREE = dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=6)
 
@@ -62,7 +63,7 @@ def continuations(tiny_model, prompts) -> list[list[int]]:
 
 
 def make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=None, **engine_args) -> LLMEngine:
-    config = EngineConfig(model=str(tiny_checkpoint), draft=draft_dir, **(BASE_ARGS | engine_args))
+    config = EngineConfig(model=str(tiny_checkpoint), draft=draft_dir, **(BASE_ARGS | SPEC_ARGS | engine_args))
     return LLMEngine(config, model=tiny_model, tokenizer=None, forced_acceptance=forced)
 
 
@@ -337,6 +338,11 @@ def test_speculation_config_errors(tiny_checkpoint, tiny_model, draft_dir, tmp_p
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(draft=draft_dir, spec_topk=2, spec_steps=3, max_num_batched_tokens=4)
     assert EngineConfig(draft=draft_dir).draft_tree_size == 4 and EngineConfig().draft_tree_size == 0
+    with pytest.raises(ValueError, match="spec_feature_ring"):
+        EngineConfig(spec_feature_ring=64)  # without a draft
+    with pytest.raises(ValueError, match="spec_feature_ring: must be ≥ 2"):
+        EngineConfig(draft=draft_dir, spec_feature_ring=1)
+    assert EngineConfig(draft=draft_dir).feature_ring == DEFAULT_FEATURE_RING
     # A draft made for another target: its features are narrower than the target's hidden size (64).
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -354,6 +360,16 @@ def test_ring_and_pages_make_room_for_the_tree(tiny_checkpoint, tiny_model, draf
     plain = LLMEngine(EngineConfig(model=str(tiny_checkpoint), **BASE_ARGS), model=tiny_model, tokenizer=None)
     assert plain.plan.ring_tokens < engine.plan.ring_tokens
     assert engine.plan.page_bytes > plain.plan.page_bytes  # the draft's K/V rides on every page
+    # Every slot also holds the draft's feature ring (32 positions x each capture layer x hidden 64, fp32) and hidden
+    # state: the plan counts what SpecDecoder allocates per slot.
+    spec = engine.spec
+    layers = len(spec.capture_layers)
+    allocated = sum(t[1].numel() * t.element_size() for t in [*spec.missed_features, spec.last_hidden])
+    target = slot_bytes_for(engine.model_config, engine.plan.ring_tokens, engine.runner.dtype)
+    assert engine.plan.slot_bytes - target == allocated == (32 * layers * 64 + 64) * 4
+    wider = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_feature_ring=64, **TREE)
+    assert wider.plan.slot_bytes - engine.plan.slot_bytes == 32 * layers * 64 * 4
+    assert wider.spec.missed_features[0].shape[1] == 64
 
 
 def test_adaptive_policy_cost_model():
@@ -608,21 +624,21 @@ def _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, prompts, params) -> l
 @pytest.mark.parametrize(("graphs", "overlap"), [(False, True), (True, True), (False, False)],
                          ids=["eager", "graph_path", "eager-no_overlap"])  # fmt: skip
 def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts, graphs, overlap):
-    """The policy forced to plain decoding for longer than the missed-feature ring, then to a draft shape: the draft
-    lags at most MISSED_CAPACITY positions meanwhile, and after the first verify step its K/V and hidden state, and
+    """The policy forced to plain decoding for longer than the feature ring (8 positions here), then to a draft shape:
+    the draft lags at most a ring's length meanwhile, and after the first verify step its K/V and hidden state, and
     the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs.
-    On the graph path (run eagerly) the catch-up runs as fixed rows of MISSED_CAPACITY tokens in a padded bucket.
+    On the graph path (run eagerly) the catch-up runs as fixed rows of a ring's length in a padded bucket.
     With overlap scheduling every plain step is launched one ahead — a ring-wrap catch-up is queued behind the step in
     flight instead of draining the pipeline — and the verify step comes one step after the policy picked it (the
     choice was made for the step launched ahead)."""
     chosen = [prompts[i] for i in (1, 3, 4)]
-    params = greedy(max_tokens=88)
+    params = greedy(max_tokens=40)
     expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     always = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
     assert run(always, chosen, params) == expected
-    engine = make_engine(
-        tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, overlap_scheduling=overlap, **CHAIN
-    )
+    ring = 8
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, overlap_scheduling=overlap,
+                         spec_feature_ring=ring, **CHAIN)  # fmt: skip
     if graphs:
         _eager_graphs(engine, [1, 2, 4])  # 3 sequences: bucket 4, one padded row
     spec = engine.spec
@@ -639,12 +655,12 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     engine.step()  # prefill (the draft catches up on the prompts)
     spec.policy.forced_option = -1
     max_lag = 0
-    for _ in range(2 * MISSED_CAPACITY + 8):  # two catch-ups
+    for _ in range(2 * ring + 8):  # two catch-ups
         engine.step()
         lags = [s.num_computed_tokens - spec.draft_len[s.slot] for s in engine.scheduler.running]
         max_lag = max(max_lag, *lags)
-    assert 0 < max_lag <= MISSED_CAPACITY and spec.stats.num_verify_steps == 0
-    assert launched_ahead[0] == (2 * MISSED_CAPACITY + 8 if overlap else 0)  # no step drained for the ring
+    assert 0 < max_lag <= ring and spec.stats.num_verify_steps == 0
+    assert launched_ahead[0] == (2 * ring + 8 if overlap else 0)  # no step drained for the ring
     spec.policy.forced_option = 0
     engine.step()
     if overlap:  # that call chose the shape for the step after the one in flight, and drained

@@ -13,7 +13,6 @@ import torch
 from jetserve.engine.bench_offline import random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import MISSED_CAPACITY
 from jetserve.model.loader import load_model
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint, random_draft_model
@@ -110,9 +109,9 @@ def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor
 def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_dir, greedy_rows):
     """Every bucket and draft shape: drafting and verify (acceptance, commit, catch-up) replayed from the graphs give
     the eager result and leave the same caches, for N = B and N = B - 1 (padded) rows; so does the catch-up on what
-    plain steps skipped (the flush graph), with 0 to MISSED_CAPACITY positions per row."""
+    plain steps skipped (the flush graph), with 0 to a ring's length (32 here) of positions per row."""
     engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, spec_topk=2, spec_steps=3,
-                         spec_num_draft_tokens=6, num_slots=40, max_num_seqs=32)  # fmt: skip
+                         spec_num_draft_tokens=6, num_slots=40, max_num_seqs=32, spec_feature_ring=32)  # fmt: skip
     spec, graphs = engine.spec, engine.spec.graphs
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8, 16, 32]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -137,9 +136,9 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
     for B in graphs.batch_sizes:
         for N in sorted({B, max(1, B - 1)}):
             slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
-            ids = torch.randint(0, engine.model_config.vocab_size, (N, MISSED_CAPACITY), generator=gen, device="cuda")
+            ids = torch.randint(0, engine.model_config.vocab_size, (N, spec.ring), generator=gen, device="cuda")
             starts = torch.randint(20, 150, (N,), generator=gen, device="cuda")
-            valid = torch.randint(0, MISSED_CAPACITY + 1, (N,), generator=gen, device="cuda")
+            valid = torch.randint(0, spec.ring + 1, (N,), generator=gen, device="cuda")
             before = [t.clone() for t in caches]
             spec.flush_rows(ids, starts, valid, slots)
             eager_caches = [t.clone() for t in caches]
@@ -190,15 +189,16 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
 
 @torch.inference_mode()
 def test_gpu_plain_stretches_with_catch_ups_launched_ahead_are_exact():
-    """The policy scripted to plain stretches longer than the draft's ring (40 steps) between verify steps, with
+    """The policy scripted to plain stretches longer than the draft's feature ring (40 steps, a ring of 32) between
+    verify steps, with
     overlap scheduling and graphs: each ring-wrap catch-up replays the flush graph queued behind the step in flight
     (no drain), and the forced-right drafts verified after each stretch give the plain output token for token (fp32,
     4 layers of the 2B shapes, as above)."""
     model = random_model("2b", "float32", torch.device("cuda"), seed=0, num_layers=4)
     draft = random_draft_model(model, seed=1)
     prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7)]
-    config = EngineConfig(draft="random", spec_topk=1, spec_steps=5, device="cuda", max_num_seqs=4,
-                          max_model_len=2048, gpu_memory_utilization=0.5, overlap_scheduling=True)  # fmt: skip
+    config = EngineConfig(draft="random", spec_topk=1, spec_steps=5, device="cuda", max_num_seqs=4, max_model_len=2048,
+                          gpu_memory_utilization=0.5, overlap_scheduling=True, spec_feature_ring=32)  # fmt: skip
     engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance="right")
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     engine.set_speculation(False)

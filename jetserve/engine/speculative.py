@@ -46,7 +46,7 @@ EXPLORE_EVERY = 64
 MAX_EXPLORE_EVERY = 1024
 # ... and never sooner than keeps an exploration's cost (its option's step time less the best option's time for as
 # many tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
-# ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~5% of plain decoding's throughput.
+# ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~6% of plain decoding's throughput.
 EXPLORE_BUDGET = 0.01
 
 

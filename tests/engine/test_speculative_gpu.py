@@ -190,10 +190,9 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
 @torch.inference_mode()
 def test_gpu_plain_stretches_with_catch_ups_launched_ahead_are_exact():
     """The policy scripted to plain stretches longer than the draft's feature ring (40 steps, a ring of 32) between
-    verify steps, with
-    overlap scheduling and graphs: each ring-wrap catch-up replays the flush graph queued behind the step in flight
-    (no drain), and the forced-right drafts verified after each stretch give the plain output token for token (fp32,
-    4 layers of the 2B shapes, as above)."""
+    verify steps, with overlap scheduling and graphs: each ring-wrap catch-up replays the flush graph queued behind the
+    step in flight (no drain), and the forced-right drafts verified after each stretch give the plain output token for
+    token (fp32, 4 layers of the 2B shapes, as above)."""
     model = random_model("2b", "float32", torch.device("cuda"), seed=0, num_layers=4)
     draft = random_draft_model(model, seed=1)
     prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7)]

@@ -41,25 +41,13 @@ def warm_clocks(device: str, *work: Callable[[], object]) -> None:
 
 
 def copy_bandwidth(device: str) -> float:
-    """Bytes per second (read + written) of a large device-to-device copy, timed as back-to-back launches — as
-    `jetserve bench offline` times it — not inside a CUDA graph: captured, the copy becomes a memcpy node and measured
-    2.71 TB/s on an H200 where launched it measured 4.24 (session 18, one GPU, back to back)."""
-    n = (1 << 30) if device == "cuda" else (1 << 22)
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    iters = 20 if device == "cuda" else 2
-    dst.copy_(src)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * n * iters / (time.perf_counter() - start)
+    """Bytes per second (read + written) of a large device-to-device copy, timed as back-to-back launches by
+    `jetserve bench offline`'s own measure (imported here, after a smoke run has set TRITON_INTERPRET) — not inside a
+    CUDA graph: captured, the copy becomes a memcpy node and measured 2.71 TB/s on an H200 where launched it measured
+    4.24 (session 18, one GPU, back to back)."""
+    from jetserve.engine.bench_offline import measure_copy_bandwidth
 
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    return measure_copy_bandwidth(torch.device(device))
 
 
 def smoke_or_gpu(smoke: bool) -> tuple[str, torch.dtype]:

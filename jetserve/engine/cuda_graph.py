@@ -141,6 +141,11 @@ class SpecGraphRunner:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch_size
 
+    def flush_fits(self, num_seqs: int) -> bool:
+        """Whether a catch-up of `num_seqs` rows has a graph (one is captured per bucket whose rows of a ring's length
+        stay within the catch-up's token limit, `SpecDecoder.max_flush_tokens`)."""
+        return self.fits(num_seqs) and ("flush", self._bucket(num_seqs)) in self.graphs
+
     def _bucket(self, num_seqs: int) -> int:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
@@ -166,7 +171,8 @@ class SpecGraphRunner:
     def capture(self) -> None:
         self._pad(0)
         for B in reversed(self.batch_sizes):
-            self.pool = _capture(("flush", B), self.graphs, self.pool, lambda B=B: self._flush(B))
+            if B * self.spec.ring <= self.spec.max_flush_tokens:
+                self.pool = _capture(("flush", B), self.graphs, self.pool, lambda B=B: self._flush(B))
             for shape in range(len(self.spec.shapes)):
                 self.pool = _capture(
                     ("draft", B, shape), self.graphs, self.pool, lambda B=B, s=shape: self._draft(B, s)

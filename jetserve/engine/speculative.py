@@ -285,6 +285,7 @@ class SpecDecoder:
         adaptive: bool = True,
         forced: str | None = None,
         ring: int = DEFAULT_FEATURE_RING,
+        max_flush_tokens: int = 8192,
     ) -> None:
         if forced is not None and forced not in FORCED_MODES:
             raise ValueError(f"forced acceptance: {forced!r} is not one of {', '.join(FORCED_MODES)}")
@@ -305,6 +306,10 @@ class SpecDecoder:
         # Target features of positions plain decode steps cached and the draft has not seen: position t of the
         # sequence in slot s at [s, t % ring], one [S, ring, H_t] per capture layer.
         self.ring = ring
+        # A catch-up forward holds at most max_flush_tokens (the engine's step budget, which its activations were
+        # sized for) in rows of up to a ring's length: more rows are caught up in several forwards.
+        self.max_flush_tokens = max_flush_tokens
+        self.rows_per_flush = max(1, max_flush_tokens // ring)
         missed_shape = (plan.num_slots, ring, runner.config.hidden_size)
         self.missed_features = [
             torch.zeros(missed_shape, dtype=runner.dtype, device=device) for _ in self.capture_layers
@@ -395,17 +400,20 @@ class SpecDecoder:
 
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in
-        one draft forward: position t takes (token t + 1 from the host, the stored feature at t). Rows of
-        `ring` tokens replayed as a CUDA graph where one is captured for the batch, else rows of the
-        longest catch-up, eagerly."""
+        one draft forward per `rows_per_flush` sequences: position t takes (token t + 1 from the host, the stored
+        feature at t). Rows of `ring` tokens replayed as a CUDA graph where one is captured for the rows, else rows of
+        the longest catch-up, eagerly."""
         todo = [(seq, slot, end) for seq, slot, end in zip(seqs, slots_host.tolist(), ends, strict=True)
                 if self.draft_len[slot] < end]  # fmt: skip
-        if not todo:
-            return
+        for begin in range(0, len(todo), self.rows_per_flush):
+            self._flush_rows_of(todo[begin : begin + self.rows_per_flush])
+
+    def _flush_rows_of(self, todo: list[tuple[Sequence, int, int]]) -> None:
+        """One catch-up forward for (sequence, slot, end) rows."""
         lens = [end - self.draft_len[slot] for _, slot, end in todo]
         assert max(lens) <= self.ring, "a sequence missed more positions than its ring holds"
         num_seqs = len(todo)
-        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num_seqs) else None
+        graphs = self.graphs if self.graphs is not None and self.graphs.flush_fits(num_seqs) else None
         width = self.ring if graphs is not None else max(lens)
         host = np.zeros((num_seqs, width + 3), dtype=np.int64)  # per row: token ids (0-padded), start, length, slot
         for row, (seq, slot, end) in zip(host, todo, strict=True):

@@ -542,7 +542,8 @@ def _eager_graphs(engine: LLMEngine, sizes: list[int]) -> None:
     runner.graph_runner = decode
     graphs = SpecGraphRunner(spec, sizes)
     for B in graphs.batch_sizes:
-        graphs.graphs[("flush", B)] = _EagerGraph(lambda B=B: graphs._flush(B))
+        if B * spec.ring <= spec.max_flush_tokens:  # as `capture` does
+            graphs.graphs[("flush", B)] = _EagerGraph(lambda B=B: graphs._flush(B))
         for s in range(len(spec.shapes)):
             graphs.graphs[("draft", B, s)] = _EagerGraph(lambda B=B, s=s: graphs._draft(B, s))
             for g in (True, False):
@@ -621,16 +622,19 @@ def _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, prompts, params) -> l
     return run(engine, prompts, params)
 
 
-@pytest.mark.parametrize(("graphs", "overlap"), [(False, True), (True, True), (False, False)],
-                         ids=["eager", "graph_path", "eager-no_overlap"])  # fmt: skip
-def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts, graphs, overlap):
+@pytest.mark.parametrize(("graphs", "overlap", "budget"), [(False, True, 8192), (True, True, 8192),
+                         (False, False, 8192), (True, True, 16)],
+                         ids=["eager", "graph_path", "eager-no_overlap", "graph_path-2_rows"])  # fmt: skip
+def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, draft_dir, prompts, graphs, overlap,
+                                                 budget):  # fmt: skip
     """The policy forced to plain decoding for longer than the feature ring (8 positions here), then to a draft shape:
     the draft lags at most a ring's length meanwhile, and after the first verify step its K/V and hidden state, and
     the JetBlock state, equal a fresh prefill of the cached tokens; outputs equal never- and always-speculating runs.
     On the graph path (run eagerly) the catch-up runs as fixed rows of a ring's length in a padded bucket.
     With overlap scheduling every plain step is launched one ahead — a ring-wrap catch-up is queued behind the step in
     flight instead of draining the pipeline — and the verify step comes one step after the policy picked it (the
-    choice was made for the step launched ahead)."""
+    choice was made for the step launched ahead). With a step budget of 16 tokens a catch-up forward holds two rows
+    of the ring's 8 positions (the third row gets a forward of its own; the 4-row bucket has no flush graph)."""
     chosen = [prompts[i] for i in (1, 3, 4)]
     params = greedy(max_tokens=40)
     expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
@@ -638,10 +642,18 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     assert run(always, chosen, params) == expected
     ring = 8
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, overlap_scheduling=overlap,
-                         spec_feature_ring=ring, **CHAIN)  # fmt: skip
+                         spec_feature_ring=ring, max_num_batched_tokens=budget, **CHAIN)  # fmt: skip
     if graphs:
         _eager_graphs(engine, [1, 2, 4])  # 3 sequences: bucket 4, one padded row
     spec = engine.spec
+    forward_rows = []
+    flush_rows = spec.flush_rows
+
+    def counting_rows(ids, *args):
+        forward_rows.append(ids.shape[0])
+        return flush_rows(ids, *args)
+
+    spec.flush_rows = counting_rows
     launched_ahead = [0]
     launch_next = engine.runner.launch_next
 
@@ -652,7 +664,8 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     engine.runner.launch_next = counted
     for i, prompt in enumerate(chosen):
         engine.add_request(str(i), prompt, params)
-    engine.step()  # prefill (the draft catches up on the prompts)
+    while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running):
+        engine.step()  # prefill (the draft catches up on the prompts)
     spec.policy.forced_option = -1
     max_lag = 0
     for _ in range(2 * ring + 8):  # two catch-ups
@@ -660,6 +673,7 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
         lags = [s.num_computed_tokens - spec.draft_len[s.slot] for s in engine.scheduler.running]
         max_lag = max(max_lag, *lags)
     assert 0 < max_lag <= ring and spec.stats.num_verify_steps == 0
+    assert forward_rows and max(forward_rows) <= min(4, budget // ring)
     assert launched_ahead[0] == (2 * ring + 8 if overlap else 0)  # no step drained for the ring
     spec.policy.forced_option = 0
     engine.step()

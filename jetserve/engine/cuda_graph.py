@@ -142,9 +142,13 @@ class SpecGraphRunner:
         return num_seqs <= self.max_batch_size
 
     def flush_fits(self, num_seqs: int) -> bool:
-        """Whether a catch-up of `num_seqs` rows has a graph (one is captured per bucket whose rows of a ring's length
-        stay within the catch-up's token limit, `SpecDecoder.max_flush_tokens`)."""
-        return self.fits(num_seqs) and ("flush", self._bucket(num_seqs)) in self.graphs
+        """Whether a catch-up of `num_seqs` rows has a graph (`captures_flush` of its bucket)."""
+        return self.fits(num_seqs) and self.captures_flush(self._bucket(num_seqs))
+
+    def captures_flush(self, B: int) -> bool:
+        """A flush graph is captured for bucket B when its rows of a ring's length stay within the catch-up's token
+        limit (`SpecDecoder.max_flush_tokens`)."""
+        return B * self.spec.ring <= self.spec.max_flush_tokens
 
     def _bucket(self, num_seqs: int) -> int:
         return next(b for b in self.batch_sizes if b >= num_seqs)
@@ -171,7 +175,7 @@ class SpecGraphRunner:
     def capture(self) -> None:
         self._pad(0)
         for B in reversed(self.batch_sizes):
-            if B * self.spec.ring <= self.spec.max_flush_tokens:
+            if self.captures_flush(B):
                 self.pool = _capture(("flush", B), self.graphs, self.pool, lambda B=B: self._flush(B))
             for shape in range(len(self.spec.shapes)):
                 self.pool = _capture(

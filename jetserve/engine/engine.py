@@ -103,8 +103,10 @@ class LLMEngine:
         if draft is not None:
             topk, steps = config.speculation
             shapes = draft_shapes(topk, steps, config.draft_tree_size)
-            self.spec = SpecDecoder(self.runner, draft, shapes, config.spec_adaptive, forced_acceptance,
-                                    config.feature_ring, config.max_num_batched_tokens)  # fmt: skip
+            self.spec = SpecDecoder(
+                self.runner, draft, shapes, config.spec_adaptive, forced_acceptance,
+                ring=config.feature_ring, max_flush_tokens=config.max_num_batched_tokens,
+            )  # fmt: skip
             self.runner.attach_spec(self.spec)
         self.scheduler = Scheduler(
             self.block_manager, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, eos,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from jetserve.engine.config import DEFAULT_FEATURE_RING, max_tree_nodes
+from jetserve.engine.config import max_tree_nodes
 from jetserve.engine.sequence import Sequence
 from jetserve.spec.drafter import Drafter, DraftKV
 from jetserve.spec.eagle3 import Eagle3DraftModel
@@ -284,8 +284,9 @@ class SpecDecoder:
         shapes: list[DraftShape],
         adaptive: bool = True,
         forced: str | None = None,
-        ring: int = DEFAULT_FEATURE_RING,
-        max_flush_tokens: int = 8192,
+        *,
+        ring: int,
+        max_flush_tokens: int,
     ) -> None:
         if forced is not None and forced not in FORCED_MODES:
             raise ValueError(f"forced acceptance: {forced!r} is not one of {', '.join(FORCED_MODES)}")

@@ -542,7 +542,7 @@ def _eager_graphs(engine: LLMEngine, sizes: list[int]) -> None:
     runner.graph_runner = decode
     graphs = SpecGraphRunner(spec, sizes)
     for B in graphs.batch_sizes:
-        if B * spec.ring <= spec.max_flush_tokens:  # as `capture` does
+        if graphs.captures_flush(B):
             graphs.graphs[("flush", B)] = _EagerGraph(lambda B=B: graphs._flush(B))
         for s in range(len(spec.shapes)):
             graphs.graphs[("draft", B, s)] = _EagerGraph(lambda B=B, s=s: graphs._draft(B, s))

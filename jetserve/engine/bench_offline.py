@@ -427,15 +427,14 @@ def _bench_speculative(
     stats = spec.stats
     plain_tok_s = plain.decode_tokens / max(sum(plain.decode_step_seconds), 1e-12)
     spec_tok_s = run.decode_tokens / max(sum(run.decode_step_seconds), 1e-12)
-    steps = max(stats.num_verify_steps, 1)
     return dict(
         plain_decode_tok_s=round(plain_tok_s, 1),
         spec_decode_tok_s=round(spec_tok_s, 1),
         spec_speedup=round(spec_tok_s / plain_tok_s, 4) if plain_tok_s > 0 else None,
         spec_tau=round(stats.mean_acceptance_length, 4),
         spec_acceptance_per_depth=[round(r, 4) for r in stats.acceptance_rate_per_depth],
-        spec_draft_ms=round(1e3 * stats.draft_seconds / steps, 4),
-        spec_verify_ms=round(1e3 * stats.verify_seconds / steps, 4),
+        spec_draft_ms=round(stats.draft_ms_per_step, 4),
+        spec_verify_ms=round(stats.verify_ms_per_step, 4),
         spec_verify_share=round(run.verify_steps / max(len(run.decode_step_seconds), 1), 4),
         spec_new_specializations=sum(spec_new.values()),
     )

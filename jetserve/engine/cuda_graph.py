@@ -123,9 +123,8 @@ class SpecGraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         device = runner.device
         B = self.max_batch_size
-        self.tokens = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: tree roots
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: cached prefix
-        self.slots = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
+        self.inputs = torch.zeros(3, B, dtype=torch.int64, device=device)  # [3, B]: loaded with one copy
+        self.tokens, self.positions, self.slots = self.inputs.unbind(0)  # [B] each: tree roots, cached prefix, slots
         self.trees: list[DraftTree] = []
         self.results: list[torch.Tensor] = []
         for shape in spec.shapes:
@@ -187,16 +186,13 @@ class SpecGraphRunner:
         torch.cuda.synchronize()
 
     def _pad(self, start: int, end: int | None = None) -> None:
-        self.tokens[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.slots[start:end].zero_()
+        self.inputs[:, start:end].zero_()
 
-    def _load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> int:
-        N = tokens.shape[0]
+    def _load(self, inputs: torch.Tensor) -> int:
+        """Copy the rows' [3, N] (roots, cached prefix, slots) into the static inputs; returns the bucket."""
+        N = inputs.shape[1]
         B = self._bucket(N)
-        self.tokens[:N].copy_(tokens)
-        self.positions[:N].copy_(positions)
-        self.slots[:N].copy_(slots)
+        self.inputs[:, :N].copy_(inputs)
         if B > N:
             self._pad(N, B)
         return B
@@ -215,9 +211,10 @@ class SpecGraphRunner:
             self.flush_rows[:, N:B].zero_()
         self.graphs[("flush", B)].replay()
 
-    def draft(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
-        N = roots.shape[0]
-        B = self._load(roots, prefix, slots)
+    def draft(self, shape: int, inputs: torch.Tensor) -> DraftTree:
+        """Draft the trees of N rows: inputs [3, N] int64 (each row's root token, cached prefix and slot)."""
+        N = inputs.shape[1]
+        B = self._load(inputs)
         self.graphs[("draft", B, shape)].replay()
         return _tree_rows(self.trees[shape], N)
 

@@ -48,6 +48,9 @@ MAX_EXPLORE_EVERY = 1024
 # many tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
 # ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~6% of plain decoding's throughput.
 EXPLORE_BUDGET = 0.01
+# The draft and verify times (metrics) are measured on every PHASE_TIMING_EVERY-th verify step: four CUDA events and
+# their read-back cost ~60 µs of host time (H200 host, session 19), ~5% of the default pair's verify step.
+PHASE_TIMING_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,8 @@ class SpecStats:
     num_accepted_tokens: int = 0  # drafted nodes accepted
     drafted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts with ≥ d accepted nodes
+    # Phase times, summed over the verify steps timed (every PHASE_TIMING_EVERY-th, the first included):
+    timed_verify_steps: int = 0
     draft_seconds: float = 0.0  # drafting the trees, after catching up on what plain steps skipped
     verify_seconds: float = 0.0  # target verify, acceptance, commit, and the draft's catch-up on accepted tokens
 
@@ -220,8 +225,15 @@ class SpecStats:
         """[d - 1]: of the drafts whose tree reached depth d, the share that accepted ≥ d nodes."""
         return [a / n if n else 0.0 for a, n in zip(self.accepted_at_depth, self.drafted_at_depth, strict=True)]
 
+    @property
+    def draft_ms_per_step(self) -> float:
+        return 1e3 * self.draft_seconds / max(self.timed_verify_steps, 1)
+
+    @property
+    def verify_ms_per_step(self) -> float:
+        return 1e3 * self.verify_seconds / max(self.timed_verify_steps, 1)
+
     def as_dict(self) -> dict:
-        steps = max(self.num_verify_steps, 1)
         return {
             "num_verify_steps": self.num_verify_steps,
             "num_drafts": self.num_drafts,
@@ -229,19 +241,23 @@ class SpecStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_rate_per_depth": [round(r, 4) for r in self.acceptance_rate_per_depth],
-            "draft_ms_per_step": round(1e3 * self.draft_seconds / steps, 4),
-            "verify_ms_per_step": round(1e3 * self.verify_seconds / steps, 4),
+            "draft_ms_per_step": round(self.draft_ms_per_step, 4),
+            "verify_ms_per_step": round(self.verify_ms_per_step, 4),
         }
 
 
 class _PhaseTimer:
-    """Seconds between marks: CUDA events on a GPU (read after the step's one synchronisation), else the host clock."""
+    """Seconds between marks: CUDA events on a GPU (read after the step's one synchronisation), else the host clock.
+    A timer made with `enabled=False` marks nothing and times nothing."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.is_cuda = device.type == "cuda"
+        self.enabled = enabled
         self.marks: list = []
 
     def mark(self) -> None:
+        if not self.enabled:
+            return
         if self.is_cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -503,7 +519,7 @@ class SpecDecoder:
         int64: the emitted tokens (accepted drafts then the bonus, -1 after), the accepted node count (root
         included) and the tree's depth, per sequence — read with one host transfer."""
         fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata)
-        out = self.verifier.verify(fb, tree, sampling)
+        out = self.verifier.verify(fb, tree, sampling, is_chain=self.shapes[shape].topk == 1)
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
         hidden = self.drafters[shape].extend_after_verify(
             tree, out.accepted_nodes, out.num_accepted, out.bonus, out.aux_hidden_states, kv
@@ -520,14 +536,15 @@ class SpecDecoder:
         host[0] = [s.token_ids[-1] for s in seqs]
         host[1] = [s.num_computed_tokens for s in seqs]
         host[2] = slots_host
-        roots, prefix, slots = self.runner.upload(host)
-        timer = _PhaseTimer(self.runner.device)
+        inputs = self.runner.upload_block(host)  # [3, N]
+        roots, prefix, slots = inputs.unbind(0)
+        timer = _PhaseTimer(self.runner.device, enabled=self.stats.num_verify_steps % PHASE_TIMING_EVERY == 0)
         timer.mark()
         self.flush(seqs, slots_host, host[1].tolist())
         use_graphs = self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs))
         timer.mark()
         if use_graphs:
-            tree = self.graphs.draft(shape, roots, prefix, slots)
+            tree = self.graphs.draft(shape, inputs)
         else:
             tree = self.draft_tree(shape, roots, prefix, slots)
             if self.tree_override is not None:
@@ -540,15 +557,17 @@ class SpecDecoder:
             result = self.verify(shape, tree, prefix, slots, sampling)
         timer.mark()
         rows = result.tolist()  # the step's one synchronisation
-        flush_s, draft_s, verify_s = timer.seconds()
         num_nodes = self.shapes[shape].num_draft_tokens
         for slot, cached, row in zip(slots_host.tolist(), host[1].tolist(), rows, strict=True):
             self.draft_len[slot] = cached + row[num_nodes]
         emitted = [row[: row[num_nodes]] for row in rows]
         accepted_drafts = [row[num_nodes] - 1 for row in rows]
         self.stats.add(num_nodes, accepted_drafts, [row[num_nodes + 1] for row in rows])
-        self.stats.draft_seconds += flush_s + draft_s
-        self.stats.verify_seconds += verify_s
+        if timer.enabled:
+            flush_s, draft_s, verify_s = timer.seconds()
+            self.stats.timed_verify_steps += 1
+            self.stats.draft_seconds += flush_s + draft_s
+            self.stats.verify_seconds += verify_s
         self.policy.record_acceptance(shape, accepted_drafts)
         return emitted
 

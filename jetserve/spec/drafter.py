@@ -16,7 +16,7 @@ import torch
 
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.spec.eagle3 import Eagle3DraftModel
-from jetserve.spec.tree import DraftTree, build_draft_tree, expand_frontier, first_level
+from jetserve.spec.tree import DraftTree, build_draft_tree, chain_tree, expand_frontier, first_level
 
 
 @dataclass
@@ -141,6 +141,14 @@ class Drafter:
         cache (nothing is stored), so sibling branches never see each other. The draft is one layer, so this costs
         a few dozen tokens per sequence and keeps the cache append-only.
         """
+        if self.topk == 1:
+            return self._draft_chain(last_hidden, root_tokens, root_positions, kv)
+        return self._draft_levels(last_hidden, root_tokens, root_positions, kv)
+
+    def _draft_levels(
+        self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV
+    ) -> DraftTree:
+        """`draft_tree` for any topk: every level's candidates, then the best `num_draft_tokens - 1` kept."""
         k = self.topk
         num_seqs, hidden_size = last_hidden.shape
         device = last_hidden.device
@@ -181,3 +189,36 @@ class Drafter:
             )
             frontier_index, frontier_scores = next_index, next_scores
         return build_draft_tree(root_tokens, levels, self.num_draft_tokens, roots)
+
+    def _draft_chain(
+        self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV
+    ) -> DraftTree:
+        """`draft_tree` for topk = 1: the same chain as the general path, without its selection. A chain's
+        cumulative log-probs fall with depth, so the best `num_draft_tokens - 1` candidates are its first levels:
+        only those are drafted. Level d + 1 re-runs the chain's d inputs (nothing is stored) and keeps the last
+        output; the top-1 token is one reduction (no sort), and the tree's parents, depths and mask are a chain's.
+        Session 19 measured the general path's bookkeeping at ~100 of the 193 kernels of the default pair's chain-3
+        draft graph (sorts, gathers, the ancestor mask)."""
+        num_seqs, hidden_size = last_hidden.shape
+        device = last_hidden.device
+        roots = root_positions.to(device, torch.long)  # [N]
+        logprob, token = self.draft.top_candidate(last_hidden)  # [N] each
+        tokens, scores = [token], [logprob]
+        chain_hidden = last_hidden[:, None, :]  # [N, 1, H]: the draft inputs' hidden part, depth 1 .. d
+        for depth in range(1, self.num_draft_tokens - 1):
+            positions = roots[:, None] + torch.arange(depth, device=device)  # [N, d]
+            cu = torch.arange(num_seqs + 1, device=device) * depth
+            fb = self._prefill_batch(
+                positions.view(-1), cu, roots + depth,
+                torch.full((num_seqs * depth,), -1, dtype=torch.long, device=device), kv.block_tables, depth,
+            )  # fmt: skip
+            chain_tokens = torch.stack(tokens, dim=1)  # [N, d]
+            out = self.draft(chain_tokens.view(-1), chain_hidden.reshape(-1, hidden_size), fb)  # [N*d, H]
+            last = out.view(num_seqs, depth, hidden_size)[:, -1]  # [N, H]
+            logprob, token = self.draft.top_candidate(last)
+            tokens.append(token)
+            scores.append(scores[-1] + logprob)
+            chain_hidden = torch.cat([chain_hidden, last[:, None, :]], dim=1)  # [N, d + 1, H]
+        root_score = torch.zeros(num_seqs, 1, dtype=torch.float32, device=device)
+        chain_scores = torch.cat([root_score, torch.stack(scores, dim=1).float()], dim=1)  # [N, T_d]
+        return chain_tree(torch.stack([root_tokens.to(device, torch.long), *tokens], dim=1), roots, chain_scores)

@@ -278,6 +278,12 @@ class Eagle3DraftModel(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def top_candidate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The most likely next token: (log-prob [T] fp32, target-vocabulary id [T] int64); ties go to the lower
+        draft id. One reduction where `top_candidates(hidden, 1)` sorts."""
+        logprob, draft_id = torch.log_softmax(self.compute_logits(hidden), dim=-1).max(dim=-1)
+        return logprob, self.draft_to_target(draft_id)
+
     def top_candidates(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely next tokens: (log-probs [T, k] fp32, target-vocabulary ids [T, k] int64)."""
         logprobs, draft_ids = torch.log_softmax(self.compute_logits(hidden), dim=-1).topk(k, dim=-1)

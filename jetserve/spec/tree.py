@@ -179,8 +179,9 @@ def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:
     return mask
 
 
-def chain_tree(tokens: torch.Tensor, root_positions: torch.Tensor) -> DraftTree:
-    """A chain of T_d nodes from tokens [N, T_d] (node 0 the last committed token): parent j - 1, depth j."""
+def chain_tree(tokens: torch.Tensor, root_positions: torch.Tensor, scores: torch.Tensor | None = None) -> DraftTree:
+    """A chain of T_d nodes from tokens [N, T_d] (node 0 the last committed token): parent j - 1, depth j; scores
+    [N, T_d] fp32 its cumulative draft log-probs (0 at the root), zeros when not given."""
     num_seqs, num_nodes = tokens.shape
     device = tokens.device
     depth = torch.arange(num_nodes, device=device)  # [T_d]
@@ -192,5 +193,5 @@ def chain_tree(tokens: torch.Tensor, root_positions: torch.Tensor) -> DraftTree:
         depths=depth.to(torch.int32).expand(num_seqs, -1).contiguous(),
         mask=mask,
         positions=root_positions.long()[:, None] + depth[None, :],
-        scores=torch.zeros(num_seqs, num_nodes, device=device),
+        scores=torch.zeros(num_seqs, num_nodes, device=device) if scores is None else scores,
     )

@@ -11,7 +11,7 @@ import torch
 
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
-from jetserve.ops.sampling import tree_accept, tree_accept_greedy
+from jetserve.ops.sampling import chain_accept_greedy, tree_accept, tree_accept_greedy
 from jetserve.spec.tree import DraftTree
 
 # (stored positions [T], state slot of each token [T], context length of each token's sequence [T], state_indices [N])
@@ -86,15 +86,20 @@ class Verifier:
             capture_layers=self.capture_layers,
         )
 
-    def verify(self, fb: ForwardBatch, tree: DraftTree, sampling: SamplingRows | None = None) -> VerifyOutput:
+    def verify(
+        self, fb: ForwardBatch, tree: DraftTree, sampling: SamplingRows | None = None, is_chain: bool = False
+    ) -> VerifyOutput:
         """Run the target over the trees, accept (greedy when `sampling` is None, else per row as `tree_accept`),
         and commit the accepted paths. Draft probabilities are not used: EAGLE's top-k children are deterministic
-        proposals, for which point-mass acceptance keeps the target distribution exactly."""
+        proposals, for which point-mass acceptance keeps the target distribution exactly. `is_chain`: every tree is
+        a chain (topk = 1), accepted greedily in a few kernels (`chain_accept_greedy`)."""
         num_seqs, num_nodes = tree.tokens.shape
         hidden = self.model(fb)  # [N*T_d, H]
         aux = list(self.model.aux_hidden_states)
         logits = self.model.compute_logits(hidden).view(num_seqs, num_nodes, -1)  # [N, T_d, V]
-        if sampling is None:
+        if sampling is None and is_chain:
+            accepted, num_accepted, bonus = chain_accept_greedy(logits, tree.tokens)
+        elif sampling is None:
             accepted, num_accepted, bonus = tree_accept_greedy(logits, tree.tokens, tree.parents)
         else:
             accepted, num_accepted, bonus = tree_accept(

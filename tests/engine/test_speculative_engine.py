@@ -23,6 +23,7 @@ from jetserve.engine.speculative import (
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     MIN_PLAIN_SAMPLES,
+    PHASE_TIMING_EVERY,
     AdaptivePolicy,
     DraftShape,
     draft_shapes,
@@ -174,6 +175,9 @@ def test_mixed_acceptance_patterns_and_rounds_without_draft(
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.num_verify_steps > 3
+    # Phase times come from every PHASE_TIMING_EVERY-th verify step, the first included, and are per timed step.
+    assert stats.timed_verify_steps == -(-stats.num_verify_steps // PHASE_TIMING_EVERY)
+    assert stats.draft_ms_per_step == 1e3 * stats.draft_seconds / stats.timed_verify_steps > 0
 
 
 def _jet_state(engine: LLMEngine, slot: int) -> list[torch.Tensor]:

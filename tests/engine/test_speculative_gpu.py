@@ -157,7 +157,7 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                 eager_caches = [t.clone() for t in caches]
                 for t, saved in zip(caches, before, strict=True):
                     t.copy_(saved)
-                graph_tree = graphs.draft(shape, roots, prefix, slots)
+                graph_tree = graphs.draft(shape, torch.stack([roots, prefix, slots]))
                 assert torch.equal(graph_tree.tokens, tree.tokens) and torch.equal(graph_tree.parents, tree.parents)
                 replayed = graphs.verify(shape, prefix, slots, greedy_rows).clone()
                 assert torch.equal(replayed, eager), f"B={B} N={N} shape={shape}"

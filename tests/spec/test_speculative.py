@@ -121,6 +121,28 @@ def test_drafted_speculation_equals_plain_greedy(models, topk, num_steps, num_dr
     assert [o[:14] for o in spec.outputs] == expected
 
 
+@pytest.mark.parametrize("num_steps, num_draft_tokens", [(4, 5), (4, 3), (1, 2)])
+def test_chain_fast_path_equals_the_general_levels(models, num_steps, num_draft_tokens):
+    """topk = 1 drafts through `_draft_chain` (no selection, one reduction per level): the same tree as the general
+    path (`_draft_levels`: every level, best candidates kept), field for field, over rounds that accept different
+    amounts — including a shape that keeps fewer nodes than it has levels."""
+    target, draft = models
+    spec = SpecHarness(target, draft, _prompts([9, 30, 2, 17], seed=7), 1, num_steps, num_draft_tokens)
+    for _ in range(4):
+        args = (spec.last_hidden, spec.roots, spec.prefix_lens(), spec.kv)
+        general = spec.drafter._draft_levels(*args)
+        chain = spec.drafter.draft_tree(*args)
+        assert chain.tokens.shape == (4, num_draft_tokens)
+        for f in dataclasses.fields(DraftTree):
+            a, b = getattr(chain, f.name), getattr(general, f.name)
+            assert a.dtype == b.dtype and a.shape == b.shape, f.name
+            if f.name == "scores":
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            else:
+                assert torch.equal(a, b), f.name
+        spec.step()
+
+
 def _forced_tree(roots, continuation, offsets, num_correct, shape, root_positions, vocab):
     """Trees whose correct path (tokens of the plain greedy continuation) has num_correct[i] drafts.
 

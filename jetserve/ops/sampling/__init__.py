@@ -8,7 +8,12 @@ import torch
 from jetserve.ops.backend import use_triton
 from jetserve.ops.sampling import kernels, reference
 from jetserve.ops.sampling.reference import compute_logprobs, top_logprobs
-from jetserve.ops.sampling.tree_acceptance import tree_accept, tree_accept_greedy, tree_accept_loop
+from jetserve.ops.sampling.tree_acceptance import (
+    chain_accept_greedy,
+    tree_accept,
+    tree_accept_greedy,
+    tree_accept_loop,
+)
 
 
 def sample(
@@ -31,4 +36,12 @@ def sample(
     return reference.sample(logits, temperature, top_k, top_p, min_p, seeds, counters, **hints)
 
 
-__all__ = ["compute_logprobs", "sample", "top_logprobs", "tree_accept", "tree_accept_greedy", "tree_accept_loop"]
+__all__ = [
+    "chain_accept_greedy",
+    "compute_logprobs",
+    "sample",
+    "top_logprobs",
+    "tree_accept",
+    "tree_accept_greedy",
+    "tree_accept_loop",
+]

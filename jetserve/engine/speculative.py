@@ -544,7 +544,7 @@ class SpecDecoder:
         use_graphs = self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs))
         timer.mark()
         if use_graphs:
-            tree = self.graphs.draft(shape, inputs)
+            tree = self.graphs.draft(shape, inputs, host)
         else:
             tree = self.draft_tree(shape, roots, prefix, slots)
             if self.tree_override is not None:
@@ -558,6 +558,10 @@ class SpecDecoder:
         timer.mark()
         rows = result.tolist()  # the step's one synchronisation
         num_nodes = self.shapes[shape].num_draft_tokens
+        if use_graphs:  # the next verify step's trees, if it verifies these rows again, drafted during postprocessing
+            accepted = np.array([row[num_nodes] for row in rows], dtype=np.int64)  # [N]
+            bonus = [row[n - 1] for row, n in zip(rows, accepted.tolist(), strict=True)]
+            self.graphs.draft_ahead(shape, np.stack([np.array(bonus, dtype=np.int64), host[1] + accepted, host[2]]))
         for slot, cached, row in zip(slots_host.tolist(), host[1].tolist(), rows, strict=True):
             self.draft_len[slot] = cached + row[num_nodes]
         emitted = [row[: row[num_nodes]] for row in rows]

@@ -571,6 +571,10 @@ def test_graph_path_with_padded_buckets(tiny_checkpoint, tiny_model, draft_dir, 
     outs = run(engine, [prompts[i] for i in chosen], greedy(), before_step)
     assert outs == [continuations[i][:MAX_TOKENS] for i in chosen]
     assert engine.spec_stats.mean_acceptance_length > 2.0
+    # Trees drafted ahead were taken by the verify step after (same rows) and dropped before a plain step, or when
+    # a request finished and the rows changed.
+    used, dropped = engine.spec.graphs.num_drafts_ahead
+    assert used > 0 and dropped > 0
     sampled = [SamplingParams(temperature=0.9, top_k=30, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True) for s in
                range(3)]  # fmt: skip
     results = []

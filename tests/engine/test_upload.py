@@ -15,7 +15,10 @@ from jetserve.engine.model_runner import ModelRunner
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1001])
 def test_rows_keep_values_and_alignment(n: int) -> None:
     runner = SimpleNamespace(_is_pinned=False, device=torch.device("cpu"))
+    runner.upload_block = lambda rows: ModelRunner.upload_block(runner, rows)
     host = np.arange(5 * n, dtype=np.int64).reshape(5, n)
+    block = runner.upload_block(host)
+    assert block.shape == (5, n) and block.tolist() == host.tolist()
     rows = ModelRunner.upload(runner, host)
     assert len(rows) == 5
     for i, row in enumerate(rows):

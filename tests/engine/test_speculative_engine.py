@@ -225,11 +225,16 @@ def test_state_after_speculative_rounds_equals_prefill(
     ],
     ids=["chunked-7", "preempting"],
 )
+@pytest.mark.parametrize("graph_path", [False, True], ids=["eager", "graph_path"])
 def test_chunked_prefill_and_preemption_with_speculation(
-    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, engine_args
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, engine_args, graph_path
 ):
+    """Greedy output stays exact with chunked prefill and with preemption; on the graph path (run eagerly) the trees
+    drafted ahead are taken only by the verify step of the same rows, past prompts joining and sequences preempted."""
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", spec_adaptive=False, **CHAIN,
                          **engine_args)  # fmt: skip
+    if graph_path:
+        _eager_graphs(engine, [1, 2, 4, 8])
     few = prompts[:4]
     many = few + few[::-1]
     expected = continuations[:4] + continuations[:4][::-1]
@@ -241,6 +246,9 @@ def test_chunked_prefill_and_preemption_with_speculation(
     assert engine.num_accepted_tokens > 0
     if "num_slots" in engine_args:
         assert engine.scheduler.num_preemptions > 0
+    if graph_path:  # (with a 7-token budget most steps prefill: few verify steps follow one another)
+        used, dropped = engine.spec.graphs.num_drafts_ahead
+        assert used > 0 and (dropped > 0 or "num_slots" not in engine_args)
 
 
 def test_stop_token_inside_an_accepted_path(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):

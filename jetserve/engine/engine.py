@@ -8,7 +8,6 @@ import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from jetserve.engine.block_manager import BlockManager
@@ -288,15 +287,13 @@ class LLMEngine:
         needed = sum(self.block_manager.pages_needed(seq, 2) for seq in seqs)
         if needed > self.block_manager.num_free_pages:
             return None
+        slots, positions = self.runner.next_rows(prev, keep)  # [N] each, on the host
         spec = self.runner.spec
-        if spec is not None:  # speculating: the policy may want a VERIFY step
-            slots = np.fromiter((seq.slot for seq in seqs), dtype=np.int64, count=len(seqs))  # [N]
-            positions = np.fromiter((seq.num_computed_tokens + 1 for seq in seqs), dtype=np.int64, count=len(seqs))
-            if not spec.plan_decode_ahead(seqs, slots, positions):
-                return None
+        if spec is not None and not spec.plan_decode_ahead(seqs, slots, positions):  # the policy wants a VERIFY step
+            return None
         for seq in seqs:
             self.block_manager.append(seq, 2)
-        return self.runner.launch_next(prev, keep, seqs)
+        return self.runner.launch_next(prev, keep, seqs, slots, positions)
 
     def _resolve(self, launch: DecodeLaunch) -> list[RequestOutput]:
         """Wait for `launch`'s tokens and postprocess them for its sequences that still run; outputs as `step`.

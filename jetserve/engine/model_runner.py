@@ -42,21 +42,30 @@ class DecodeLaunch:
     tokens: torch.Tensor  # [N] int64: sampled
     positions: torch.Tensor  # [N] int64: the position each sequence cached
     state_indices: torch.Tensor  # [N]
+    slots_host: np.ndarray  # [N] int64: `state_indices` on the host
+    positions_host: np.ndarray  # [N] int64: `positions` on the host
     host_tokens: torch.Tensor  # [N] int64: `tokens` on the host (pinned on a GPU), once `copied` has passed
     copied: torch.cuda.Event | None  # recorded after the copy; None on the CPU (the tokens are host memory already)
 
     @classmethod
     def start(
-        cls, seqs: list[Sequence], tokens: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor
+        cls,
+        seqs: list[Sequence],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        state_indices: torch.Tensor,
+        slots_host: np.ndarray,
+        positions_host: np.ndarray,
     ) -> DecodeLaunch:
         """Start copying `tokens` to the host without waiting for them."""
+        inputs = (seqs, tokens, positions, state_indices, slots_host, positions_host)
         if tokens.device.type != "cuda":
-            return cls(seqs, tokens, positions, state_indices, tokens, None)
+            return cls(*inputs, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(tokens.device))  # the tokens' device, whichever is current
-        return cls(seqs, tokens, positions, state_indices, host, copied)
+        return cls(*inputs, host, copied)
 
     def token_ids(self) -> list[int]:
         """The sampled tokens, one per sequence (waits for the step to finish on the device)."""
@@ -164,20 +173,32 @@ class ModelRunner:
         return self._launch_decode(batch)[0]
 
     @torch.inference_mode()
-    def launch_next(self, prev: DecodeLaunch, keep: list[int], seqs: list[Sequence]) -> DecodeLaunch:
+    def launch_next(
+        self, prev: DecodeLaunch, keep: list[int], seqs: list[Sequence], slots: np.ndarray, positions: np.ndarray
+    ) -> DecodeLaunch:
         """Queue the decode step that follows `prev` for its rows `keep` (ascending), whose sequences `seqs` already
         hold the pages of one more token: each row's input is the token `prev` sampled, at the next position, in the
-        same slot — all taken on the device, so this queues behind `prev` without waiting for it. With a
+        same slot — all taken on the device, so this queues behind `prev` without waiting for it. `slots` and
+        `positions` [N] are the rows' slots and the positions this step caches, on the host (`next_rows`). With a
         SpecDecoder, the caller caught up any draft ring this step would wrap (`SpecDecoder.plan_decode_ahead`);
         the step stores its features in the ring as any plain step does."""
         assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
-        slots = self._claim(seqs)  # writes the new pages into the block table
+        self._claim_slots(seqs, slots)  # writes the new pages into the block table
+        self.sampler.sync()
         if len(keep) == len(prev.seqs):
-            input_ids, positions, state_indices = prev.tokens, prev.positions + 1, prev.state_indices
+            input_ids, positions_d, state_indices = prev.tokens, prev.positions + 1, prev.state_indices
         else:
             (rows,) = self.upload(np.array([keep], dtype=np.int64))  # [N]
-            input_ids, positions, state_indices = prev.tokens[rows], prev.positions[rows] + 1, prev.state_indices[rows]
-        return self._decode(seqs, slots, input_ids, positions, state_indices)[0]
+            input_ids, state_indices = prev.tokens[rows], prev.state_indices[rows]
+            positions_d = prev.positions[rows] + 1
+        return self._decode(seqs, slots, positions, input_ids, positions_d, state_indices)[0]
+
+    @staticmethod
+    def next_rows(prev: DecodeLaunch, keep: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The slots [N] and the positions [N] cached by the decode step after `prev` for its rows `keep`."""
+        if len(keep) == len(prev.seqs):
+            return prev.slots_host, prev.positions_host + 1
+        return prev.slots_host[keep], prev.positions_host[keep] + 1
 
     def _claim(self, seqs: list[Sequence]) -> np.ndarray:
         """The state slots of `seqs` [N], after bringing the slot-indexed tables (pages, sampling) up to date."""
@@ -198,12 +219,13 @@ class ModelRunner:
         input_ids, positions, state_indices = self.upload(host)
         if self.spec is not None:
             self.spec.before_decode(seqs, slots, host[1])
-        return self._decode(seqs, slots, input_ids, positions, state_indices)
+        return self._decode(seqs, slots, host[1], input_ids, positions, state_indices)
 
     def _decode(
         self,
         seqs: list[Sequence],
         slots: np.ndarray,  # [N] the same slots as `state_indices`, on the host
+        positions_host: np.ndarray,  # [N] `positions` on the host
         input_ids: torch.Tensor,  # [N] int64
         positions: torch.Tensor,  # [N] int64: the position each sequence caches
         state_indices: torch.Tensor,  # [N]
@@ -218,7 +240,7 @@ class ModelRunner:
             if self.spec is not None:  # a decode graph stores them as it replays
                 self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
         tokens = self.sampler(logits, state_indices, positions + 1, slots)  # [N]
-        return DecodeLaunch.start(seqs, tokens, positions, state_indices), logits
+        return DecodeLaunch.start(seqs, tokens, positions, state_indices, slots, positions_host), logits
 
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by

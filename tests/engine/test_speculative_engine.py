@@ -650,7 +650,9 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     With overlap scheduling every plain step is launched one ahead — a ring-wrap catch-up is queued behind the step in
     flight instead of draining the pipeline — and the verify step comes one step after the policy picked it (the
     choice was made for the step launched ahead). With a step budget of 16 tokens a catch-up forward holds two rows
-    of the ring's 8 positions (the third row gets a forward of its own; the 4-row bucket has no flush graph)."""
+    of the ring's 8 positions (the third row gets a forward of its own; the 4-row bucket has no flush graph). A fourth
+    request ends during the plain stretch, so one step is launched ahead for a subset of the rows in flight (their
+    slots and positions taken from that step's) before the catch-ups that follow."""
     chosen = [prompts[i] for i in (1, 3, 4)]
     params = greedy(max_tokens=40)
     expected = _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
@@ -680,6 +682,7 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     engine.runner.launch_next = counted
     for i, prompt in enumerate(chosen):
         engine.add_request(str(i), prompt, params)
+    engine.add_request("short", prompts[0], greedy(max_tokens=12))  # ends inside the plain stretch
     while engine.scheduler.waiting or not all(s.is_decoding for s in engine.scheduler.running):
         engine.step()  # prefill (the draft catches up on the prompts)
     spec.policy.forced_option = -1
@@ -689,6 +692,7 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
         lags = [s.num_computed_tokens - spec.draft_len[s.slot] for s in engine.scheduler.running]
         max_lag = max(max_lag, *lags)
     assert 0 < max_lag <= ring and spec.stats.num_verify_steps == 0
+    assert all(s.request_id != "short" for s in engine.scheduler.running)
     assert forward_rows and max(forward_rows) <= min(4, budget // ring)
     assert launched_ahead[0] == (2 * ring + 8 if overlap else 0)  # no step drained for the ring
     spec.policy.forced_option = 0

@@ -287,7 +287,7 @@ class LLMEngine:
         needed = sum(self.block_manager.pages_needed(seq, 2) for seq in seqs)
         if needed > self.block_manager.num_free_pages:
             return None
-        slots, positions = self.runner.next_rows(prev, keep)  # [N] each, on the host
+        slots, positions = prev.next_rows(keep)  # [N] each, on the host
         spec = self.runner.spec
         if spec is not None and not spec.plan_decode_ahead(seqs, slots, positions):  # the policy wants a VERIFY step
             return None

@@ -67,6 +67,12 @@ class DecodeLaunch:
         copied.record(torch.cuda.current_stream(tokens.device))  # the tokens' device, whichever is current
         return cls(*inputs, host, copied)
 
+    def next_rows(self, keep: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The slots [N] and the positions [N] cached by the decode step after this one, for its rows `keep`."""
+        if len(keep) == len(self.seqs):
+            return self.slots_host, self.positions_host + 1
+        return self.slots_host[keep], self.positions_host[keep] + 1
+
     def token_ids(self) -> list[int]:
         """The sampled tokens, one per sequence (waits for the step to finish on the device)."""
         if self.copied is not None:
@@ -179,9 +185,9 @@ class ModelRunner:
         """Queue the decode step that follows `prev` for its rows `keep` (ascending), whose sequences `seqs` already
         hold the pages of one more token: each row's input is the token `prev` sampled, at the next position, in the
         same slot — all taken on the device, so this queues behind `prev` without waiting for it. `slots` and
-        `positions` [N] are the rows' slots and the positions this step caches, on the host (`next_rows`). With a
-        SpecDecoder, the caller caught up any draft ring this step would wrap (`SpecDecoder.plan_decode_ahead`);
-        the step stores its features in the ring as any plain step does."""
+        `positions` [N] are the rows' slots and the positions this step caches, on the host
+        (`DecodeLaunch.next_rows`). With a SpecDecoder, the caller caught up any draft ring this step would wrap
+        (`SpecDecoder.plan_decode_ahead`); the step stores its features in the ring as any plain step does."""
         assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
         self._claim_slots(seqs, slots)  # writes the new pages into the block table
         self.sampler.sync()
@@ -192,13 +198,6 @@ class ModelRunner:
             input_ids, state_indices = prev.tokens[rows], prev.state_indices[rows]
             positions_d = prev.positions[rows] + 1
         return self._decode(seqs, slots, positions, input_ids, positions_d, state_indices)[0]
-
-    @staticmethod
-    def next_rows(prev: DecodeLaunch, keep: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The slots [N] and the positions [N] cached by the decode step after `prev` for its rows `keep`."""
-        if len(keep) == len(prev.seqs):
-            return prev.slots_host, prev.positions_host + 1
-        return prev.slots_host[keep], prev.positions_host[keep] + 1
 
     def _claim(self, seqs: list[Sequence]) -> np.ndarray:
         """The state slots of `seqs` [N], after bringing the slot-indexed tables (pages, sampling) up to date."""

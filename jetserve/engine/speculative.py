@@ -558,14 +558,13 @@ class SpecDecoder:
         timer.mark()
         rows = result.tolist()  # the step's one synchronisation
         num_nodes = self.shapes[shape].num_draft_tokens
+        emitted = [row[: row[num_nodes]] for row in rows]  # accepted drafts then the bonus: one per accepted node
+        cached = host[1] + np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))  # [N]
+        self.draft_len[slots_host] = cached
         if use_graphs:  # the next verify step's trees, if it verifies these rows again, drafted during postprocessing
-            accepted = np.array([row[num_nodes] for row in rows], dtype=np.int64)  # [N]
-            bonus = [row[n - 1] for row, n in zip(rows, accepted.tolist(), strict=True)]
-            self.graphs.draft_ahead(shape, np.stack([np.array(bonus, dtype=np.int64), host[1] + accepted, host[2]]))
-        for slot, cached, row in zip(slots_host.tolist(), host[1].tolist(), rows, strict=True):
-            self.draft_len[slot] = cached + row[num_nodes]
-        emitted = [row[: row[num_nodes]] for row in rows]
-        accepted_drafts = [row[num_nodes] - 1 for row in rows]
+            bonus = np.fromiter((tokens[-1] for tokens in emitted), dtype=np.int64, count=len(emitted))  # [N]
+            self.graphs.draft_ahead(shape, np.stack([bonus, cached, slots_host]))
+        accepted_drafts = [len(tokens) - 1 for tokens in emitted]
         self.stats.add(num_nodes, accepted_drafts, [row[num_nodes + 1] for row in rows])
         if timer.enabled:
             flush_s, draft_s, verify_s = timer.seconds()

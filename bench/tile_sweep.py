@@ -1,11 +1,11 @@
 """Tile sweeps behind two fixed heuristics, at the 2B/4B decode shapes: the dynamic-conv decode kernel's tiles
-(`decode_tiles_for`, N = 1 and 16) and the skinny GEMM's one-row tilings (`choose_tiling`) in the modes the model runs
-them (fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
+(`decode_tiles_for`, N = 1 and 16 by default) and the skinny GEMM's tilings (`choose_tiling`; one row by default, or
+any number of rows against today's dispatch, cuBLAS past GEMV_MAX_ROWS) in the modes the model runs them (fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
 rotate through copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call (median
 of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline: the bytes a
 call must move over that bandwidth), its error against the reference, and which tiling the heuristic picks now. One
 JSON line per tiling with --json FILE.
-Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm] [--json FILE]
+Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm] [--rows 1,32,64] [--conv-rows 1,16,64] [--json FILE]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
 """
 
@@ -34,22 +34,27 @@ def weight_copies(nbytes: int, device: str) -> int:
     return max(2, -(-L2_MULTIPLE * torch.cuda.get_device_properties(device).L2_cache_size // nbytes))
 
 
-def conv_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[str, list, Callable, object]]:
+def conv_cases(
+    s, dtype: torch.dtype, device: str, smoke: bool, ns: tuple[int, ...] = (1, 16)
+) -> list[tuple[str, list, Callable, object]]:
     """(case name, tilings, run(tiles) → (seconds per call, max error, bytes), the heuristic's pick) for the conv
-    decode at N = 1 and 16;
+    decode at each N of `ns` (token tiles of 16 rows up to N = 16, of 16, 32 and 64 past it);
     `s` is one of `common.SHAPES`."""
     from jetserve.ops.dynamic_conv import decode, reference
     from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 
     d, g, width = s.channels, s.generator, s.conv
     grid = itertools.product((8, 16, 32), (64, 128), (2, 4), (2, 3, 4)) if not smoke else [(8, 128, 2, 3)]
-    tilings = [Tiles(16, bd, bg, warps, stages) for bd, bg, warps, stages in grid]
+    small = [Tiles(16, bd, bg, warps, stages) for bd, bg, warps, stages in grid]
+    grid = itertools.product((16, 32, 64), (8, 16, 32), (64, 128), (2, 4, 8)) if not smoke else [(32, 8, 64, 2)]
+    large = [Tiles(bt, bd, bg, warps, 3) for bt, bd, bg, warps in grid]
     gen = torch.Generator(device=device).manual_seed(0)
     copies = weight_copies(d * width * g * dtype.itemsize, device)
     w2s = [(torch.randn(d * width, g, device=device, generator=gen) * g**-0.5).to(dtype) for _ in range(copies)]
     bias = torch.randn(d * width, device=device, generator=gen).to(dtype)
     cases = []
-    for n in (1, 16) if not smoke else (1, 3):
+    for n in ns if not smoke else (1, 3, 20):
+        tilings = small if n <= 16 else large
         u = torch.randn(n, d, device=device, generator=gen).to(dtype)
         h = torch.randn(n, g, device=device, generator=gen).to(dtype)
         slots = torch.arange(1, n + 1, device=device, dtype=torch.int32)
@@ -74,18 +79,32 @@ def conv_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[st
     return cases
 
 
-def gemm_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[str, list, Callable, object]]:
-    """The four one-row decode GEMMs of a JetBlock layer, each in its model mode."""
-    from jetserve.ops.linear import kernels, reference
+def gemm_tilings(rows: int, smoke: bool) -> list:
+    """The tilings swept for `rows` rows of x: one-row FMA and 16-row tensor-core tiles for one row; tensor-core tiles
+    holding all the rows (wider weight tiles, 8 warps, K splits) for more."""
     from jetserve.ops.linear.kernels import GemvTiling
 
+    block_m = max(16, 1 << (rows - 1).bit_length())
     if smoke:
-        tilings = [GemvTiling(1, 4, 64, 1, False, 8, 1), GemvTiling(16, 32, 32, 2, True, 4, 2)]
-    else:
-        fma = itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2, 4))
-        dot = itertools.product((32, 64, 128), (128, 256), (3, 4), (1, 2, 4))
-        tilings = [GemvTiling(1, bn, bk, sp, False, w, 1) for bn, bk, w, sp in fma]
-        tilings += [GemvTiling(16, bn, bk, sp, True, 4, st) for bn, bk, st, sp in dot]
+        return [GemvTiling(1, 4, 64, 1, False, 8, 1)] * (rows == 1) + [GemvTiling(block_m, 32, 32, 2, True, 4, 2)]
+    if rows > 1:
+        dot = itertools.product((64, 128, 256), (64, 128), (3, 4), (1, 2, 4, 8, 16), (4, 8))
+        return [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
+    fma = itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2, 4))
+    dot = itertools.product((32, 64, 128), (128, 256), (3, 4), (1, 2, 4))
+    tilings = [GemvTiling(1, bn, bk, sp, False, w, 1) for bn, bk, w, sp in fma]
+    return tilings + [GemvTiling(16, bn, bk, sp, True, 4, st) for bn, bk, st, sp in dot]
+
+
+def gemm_cases(
+    s, dtype: torch.dtype, device: str, smoke: bool, rows: int = 1
+) -> list[tuple[str, list, Callable, object]]:
+    """The four decode GEMMs of a JetBlock layer for `rows` rows of x, each in its model mode. The untiled row is the
+    public op (`jetserve.ops.linear`): today's dispatch, the separate prologue kernels and cuBLAS past GEMV_MAX_ROWS."""
+    from jetserve.ops import linear as public
+    from jetserve.ops.linear import kernels, reference
+
+    tilings = gemm_tilings(rows, smoke)
     hidden, mlp, d_v = s.hidden, s.mlp, s.channels
     d_k = s.jet_heads * s.key_dim
     silu_cols = 2 * d_k + s.generator
@@ -97,8 +116,8 @@ def gemm_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[st
     for name, (n, k) in shapes.items():
         copies = weight_copies(n * k * dtype.itemsize, device)
         weights = [(torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype) for _ in range(copies)]
-        x = torch.randn(1, 2 * k if "SwiGLU" in name else k, device=device, generator=gen).to(dtype)
-        gate = torch.randn(1, k, device=device, generator=gen).to(dtype)
+        x = torch.randn(rows, 2 * k if "SwiGLU" in name else k, device=device, generator=gen).to(dtype)
+        gate = torch.randn(rows, k, device=device, generator=gen).to(dtype)
         norm_weight = torch.randn(s.value_dim, device=device, generator=gen).to(dtype)
 
         def call(module, w, tiling, name=name, x=x, gate=gate, norm_weight=norm_weight):
@@ -111,17 +130,17 @@ def gemm_cases(s, dtype: torch.dtype, device: str, smoke: bool) -> list[tuple[st
             return module.linear(x, w, **tiling)
 
         want = call(reference, weights[0], {}).float()
-        nbytes = (n * k + x.numel() + n) * dtype.itemsize
+        nbytes = (n * k + x.numel() + rows * n) * dtype.itemsize
 
         def run(tiling, call=call, weights=weights, want=want, nbytes=nbytes) -> tuple[float, float, int]:
-            kw = {} if tiling is None else {"tiling": tiling}
-            got = call(kernels, weights[0], kw).float()
+            module, kw = (public, {}) if tiling is None else (kernels, {"tiling": tiling})
+            got = call(module, weights[0], kw).float()
             err = float((got - want).abs().max() / want.abs().max())
-            ms = time_ms(lambda: [call(kernels, w, kw) for w in weights], device)
+            ms = time_ms(lambda: [call(module, w, kw) for w in weights], device)
             return ms / 1e3 / len(weights), err, nbytes
 
-        picked = kernels.choose_tiling(1, n, k, kernels.sm_count(x.device))
-        cases.append((f"{s.name} {name} {n}x{k} M=1", tilings, run, picked))
+        picked = "cuBLAS" if rows > public.GEMV_MAX_ROWS else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
+        cases.append((f"{s.name} {name} {n}x{k} M={rows}", tilings, run, picked))
     return cases
 
 
@@ -129,6 +148,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="2b")
     p.add_argument("--only", default="", choices=["", "conv", "gemm"])
+    p.add_argument("--rows", default="1", help="rows of x for the GEMM cases, comma-separated")
+    p.add_argument("--conv-rows", default="1,16", help="sequences for the conv decode cases, comma-separated")
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
     args = p.parse_args()
@@ -143,9 +164,10 @@ def main() -> None:
         s = SHAPES[model]
         cases = []
         if args.only in ("", "conv"):
-            cases += conv_cases(s, dtype, device, args.smoke)
+            cases += conv_cases(s, dtype, device, args.smoke, tuple(map(int, args.conv_rows.split(","))))
         if args.only in ("", "gemm"):
-            cases += gemm_cases(s, dtype, device, args.smoke)
+            for rows in map(int, args.rows.split(",") if not args.smoke else (1, 3)):
+                cases += gemm_cases(s, dtype, device, args.smoke, rows)
         for case, tilings, run, picked in cases:
             rows = []
             for tiles in [None, *tilings]:  # None: what the heuristic picks now

@@ -1,10 +1,11 @@
 """Tile sweeps behind two fixed heuristics, at the 2B/4B decode shapes: the dynamic-conv decode kernel's tiles
 (`decode_tiles_for`, N = 1 and 16 by default) and the skinny GEMM's tilings (`choose_tiling`; one row by default, or
-any number of rows against today's dispatch, cuBLAS past GEMV_MAX_ROWS) in the modes the model runs them (fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
-rotate through copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call (median
-of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline: the bytes a
-call must move over that bandwidth), its error against the reference, and which tiling the heuristic picks now. One
-JSON line per tiling with --json FILE.
+any number of rows against today's dispatch, cuBLAS past GEMV_MAX_ROWS) in the modes the model runs them (fused input
+projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights rotate through
+copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call (median of
+CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline: the bytes a
+call must move over that bandwidth), its error against the reference, and which tiling the heuristic picks now. One JSON
+line per tiling with --json FILE.
 Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm] [--rows 1,32,64] [--conv-rows 1,16,64] [--json FILE]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
 """
@@ -90,9 +91,9 @@ def gemm_tilings(rows: int, smoke: bool) -> list:
     if rows > 1:
         dot = itertools.product((64, 128, 256), (64, 128), (3, 4), (1, 2, 4, 8, 16), (4, 8))
         return [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
-    fma = itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2, 4))
-    dot = itertools.product((32, 64, 128), (128, 256), (3, 4), (1, 2, 4))
-    tilings = [GemvTiling(1, bn, bk, sp, False, w, 1) for bn, bk, w, sp in fma]
+    fma = itertools.product((2, 4, 8), (1024,), (4, 8), (1, 2), (1, 2, 3, 4))  # sessions 17/18 swept 1 stage only
+    dot = itertools.product((32, 64), (128,), (3, 4), (1, 4, 16))
+    tilings = [GemvTiling(1, bn, bk, sp, False, w, st) for bn, bk, w, sp, st in fma]
     return tilings + [GemvTiling(16, bn, bk, sp, True, 4, st) for bn, bk, st, sp in dot]
 
 
@@ -139,7 +140,9 @@ def gemm_cases(
             ms = time_ms(lambda: [call(module, w, kw) for w in weights], device)
             return ms / 1e3 / len(weights), err, nbytes
 
-        picked = "cuBLAS" if rows > public.GEMV_MAX_ROWS else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
+        picked = (
+            "cuBLAS" if rows > public.GEMV_MAX_ROWS else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
+        )
         cases.append((f"{s.name} {name} {n}x{k} M={rows}", tilings, run, picked))
     return cases
 
@@ -150,6 +153,7 @@ def main() -> None:
     p.add_argument("--only", default="", choices=["", "conv", "gemm"])
     p.add_argument("--rows", default="1", help="rows of x for the GEMM cases, comma-separated")
     p.add_argument("--conv-rows", default="1,16", help="sequences for the conv decode cases, comma-separated")
+    p.add_argument("--cases", default="", help="only GEMM cases whose name holds one of these, comma-separated")
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
     args = p.parse_args()
@@ -168,7 +172,10 @@ def main() -> None:
         if args.only in ("", "gemm"):
             for rows in map(int, args.rows.split(",") if not args.smoke else (1, 3)):
                 cases += gemm_cases(s, dtype, device, args.smoke, rows)
+        wanted = [c for c in args.cases.split(",") if c]
         for case, tilings, run, picked in cases:
+            if wanted and "M=" in case and not any(c in case for c in wanted):
+                continue
             rows = []
             for tiles in [None, *tilings]:  # None: what the heuristic picks now
                 seconds, err, nbytes = run(tiles)

@@ -356,6 +356,10 @@ def test_choose_tiling_at_decode_shapes() -> None:
     down, o_proj = choose_tiling(1, 1536, 8960, num_sms=132), choose_tiling(1, 1536, 3072, num_sms=132)
     assert (down.block_n, down.block_k, down.num_warps) == (2, 1024, 4)
     assert (o_proj.block_n, o_proj.block_k, o_proj.num_warps) == (4, 1024, 8)
+    # 33-64 rows (wide weights, session 20's sweep): 64-wide K steps at 4 stages
+    for n in (8856, 17920):
+        t = choose_tiling(64, n, 1536, num_sms=132)
+        assert (t.block_m, t.block_n, t.block_k, t.num_stages, t.num_splits) == (64, 64, 64, 4, 1)
 
 
 def test_fit_pipeline_keeps_the_stages_in_shared_memory() -> None:
@@ -408,6 +412,44 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         backend.set_backend("reference")
         dispatched_linear(randn(1, 8), weight)
         assert calls == []
+    finally:
+        backend.set_backend(None)
+
+
+def test_dispatch_of_wide_weights_and_the_norm_prologue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights of WIDE_MIN_N rows or more take the Triton kernel up to WIDE_MAX_ROWS rows; `norm_linear` takes it
+    where `linear` would (else rms_norm then linear, the sum still written to residual_out); `fuses_norm` says when a
+    decoder may defer its norm."""
+    from jetserve.ops import linear as ops_linear
+    from jetserve.ops.linear import kernels as module
+
+    calls = []
+    monkeypatch.setattr(module, "linear", lambda x, w, b=None, **kw: calls.append(x.shape) or ref.linear(x, w, b, **kw))
+    monkeypatch.setattr(
+        module, "norm_linear", lambda x, *a, **kw: calls.append(("norm", x.shape)) or ref.norm_linear(x, *a, **kw)
+    )
+    monkeypatch.setattr(backend, "_forced", None)
+    wide, narrow = randn(ops_linear.WIDE_MIN_N, 8, seed=61), randn(6, 8, seed=62)
+    triton_runs = envs.triton_interpret() or DEVICE == "cuda"
+    backend.set_backend("triton")
+    try:
+        dispatched_linear(randn(ops_linear.WIDE_MAX_ROWS, 8), wide)
+        dispatched_linear(randn(ops_linear.WIDE_MAX_ROWS + 1, 8), wide)  # too many rows even for a wide weight
+        dispatched_linear(randn(GEMV_MAX_ROWS + 1, 8), narrow)
+        assert calls == ([(ops_linear.WIDE_MAX_ROWS, 8)] if triton_runs else [])
+        calls.clear()
+        x, residual, norm_weight = randn(GEMV_MAX_ROWS + 1, 8, seed=63), randn(GEMV_MAX_ROWS + 1, 8), randn(8)
+        for weight in (wide, narrow):
+            out = torch.full_like(x, float("nan"))
+            y = ops_linear.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=out)
+            assert torch.equal(out, x + residual)
+            torch.testing.assert_close(y, ref.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=out))
+        assert calls == ([("norm", x.shape)] if triton_runs else [])
+        assert ops_linear.fuses_norm(randn(ops_linear.WIDE_MAX_ROWS, 8)) == triton_runs
+        assert not ops_linear.fuses_norm(randn(ops_linear.WIDE_MAX_ROWS + 1, 8))
+        assert not ops_linear.fuses_norm(randn(2, 8, dtype=torch.float64))
+        backend.set_backend("reference")
+        assert not ops_linear.fuses_norm(randn(1, 8))
     finally:
         backend.set_backend(None)
 
@@ -548,3 +590,26 @@ def test_gated_norm_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -
     weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
     actual = kernels.gated_norm_linear(o, gate, norm_weight, 1e-5, weight)
     assert_matches(actual, gated_norm_input(o, gate, norm_weight, 1e-5), weight, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["2b jet q|k|v|a|b|g|w1", "2b attn q|k|v", "2b mlp gate|up", "4b jet q|k|v|a|b|g|w1"])
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 32, 64])
+def test_norm_linear_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -> None:
+    """The residual add and RMSNorm in the prologue at the decode shapes in bf16 (past 16 rows the wide weights only,
+    as dispatched): the sum written exactly, the product within twice the bf16 tolerance (`test_norm_linear_kernel_
+    matches_reference`)."""
+    n, k = GPU_SHAPES[name]
+    if num_rows > GEMV_MAX_ROWS and n < 4096:
+        pytest.skip("past GEMV_MAX_ROWS narrow weights run rms_norm then cuBLAS")
+    gen = torch.Generator(device="cuda").manual_seed(num_rows)
+    x, residual = (torch.randn(num_rows, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_weight = torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    actual = kernels.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=out)
+    assert torch.equal(out, x + residual)
+    exact = expected(norm_input(x, residual, norm_weight, 1e-6), weight, None)
+    scale, tol = exact.pow(2).mean().sqrt().item(), 2 * TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(actual.double() / scale, exact / scale, rtol=tol, atol=tol)

@@ -7,20 +7,18 @@ from torch import nn
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
-from jetserve.model.fusion import InputProjections, PreNorm
+from jetserve.model.fusion import InputProjections
 from jetserve.model.layers import Linear
 from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, kv_cache_commit
 
 
 def rotated_qkv(
-    attn: InputProjections, x: torch.Tensor | PreNorm, positions: torch.Tensor, cos_sin: torch.Tensor
+    attn: InputProjections, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H, Dh] and k [T, HK, Dh] rotated, v [T, HK, Dh], from one GEMM of an attention module with `num_heads`,
-    `num_kv_heads` and `head_dim` whose input projections are q, k, v (the target's layers and the draft's); x may be
-    a `PreNorm` the GEMM normalises."""
-    H, HK, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    `num_kv_heads` and `head_dim` whose input projections are q, k, v (the target's layers and the draft's)."""
+    T, H, HK, Dh = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = attn.project(x)  # [T, (H + 2 HK) Dh]: q, k, v side by side
-    T = qkv.shape[0]
     q, k, v = qkv.split([H * Dh, HK * Dh, HK * Dh], dim=-1)  # views, rows strided: the ops take them as they are
     q, k = apply_rope(q.view(T, H, Dh), k.view(T, HK, Dh), positions, cos_sin)  # [T, H, Dh], [T, HK, Dh]
     return q, k, v.view(T, HK, Dh)
@@ -54,7 +52,7 @@ class Attention(InputProjections, nn.Module):
     def input_projections(self) -> tuple[nn.Linear, ...]:
         return self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor | PreNorm, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         assert self.k_cache is not None, f"layer {self.layer_id}: no K/V cache bound"
         q, k, v = rotated_qkv(self, x, fb.positions, self.cos_sin)
         meta = fb.swa_kv if self.is_sliding else fb.kv
@@ -77,7 +75,7 @@ class Attention(InputProjections, nn.Module):
             o = attention_verify(
                 q, k, v, *caches, fb.tree_mask, fb.context_lens, meta.block_tables, meta.slot_mapping, **kwargs
             )
-        return self.o_proj(o.reshape(q.shape[0], self.num_heads * self.head_dim))  # [T, hidden]
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))  # [T, hidden]
 
     def commit(
         self, meta: KVMetadata, prefix_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor

@@ -11,28 +11,10 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from jetserve.ops.linear import linear, norm_linear
+from jetserve.ops.linear import linear
 
 logger = logging.getLogger(__name__)
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
-
-
-@dataclass(frozen=True)
-class PreNorm:
-    """A projection group's input not yet formed: `rms_norm(hidden + residual, weight, eps)` (of `hidden` alone when
-    `residual` is None), which `InputProjections.project` computes in its GEMM's prologue (`ops.linear.norm_linear`),
-    writing hidden + residual to `residual_out`: the decoder layer's residual add and RMSNorm without launches of
-    their own. Built by `RMSNorm.deferred`."""
-
-    hidden: torch.Tensor  # [T, D]
-    residual: torch.Tensor | None  # [T, D]
-    weight: torch.Tensor  # [D]
-    eps: float
-    residual_out: torch.Tensor | None  # [T, D], given exactly when residual is
-
-    @property
-    def num_tokens(self) -> int:
-        return self.hidden.shape[0]
 
 
 @dataclass(frozen=True)
@@ -60,23 +42,17 @@ class InputProjections:
     def input_projections(self) -> tuple[nn.Linear, ...]:
         raise NotImplementedError
 
-    def project(self, x: torch.Tensor | PreNorm, silu_cols: int = 0) -> torch.Tensor:
-        """x [T, in] → [T, Σ out], SiLU on output columns [0, silu_cols) (in the GEMM's epilogue on the Triton path);
-        a `PreNorm` x is normalised first (in the GEMM's prologue on the Triton path)."""
+    def project(self, x: torch.Tensor, silu_cols: int = 0) -> torch.Tensor:
+        """x [T, in] → [T, Σ out], SiLU on output columns [0, silu_cols) (in the GEMM's epilogue on the Triton path)."""
         linears = self.input_projections()
         fused = self.fused_input
         if fused is not None and not fused.is_current(linears):
             logger.warning("%s: parameters replaced after fuse_projections; unfused until it runs again", _name(self))
             self.fused_input = fused = None  # drop the stale copy: its storage is no longer the parameters'
         if fused is not None and not (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
-            weight, bias = fused.weight, fused.bias
-        else:
-            weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
-            bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
-        if isinstance(x, PreNorm):
-            return norm_linear(
-                x.hidden, x.residual, x.weight, x.eps, weight, bias, silu_cols=silu_cols, residual_out=x.residual_out
-            )
+            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols)
+        weight = torch.cat([li.weight for li in linears])  # [Σ out, in]
+        bias = None if linears[0].bias is None else torch.cat([li.bias for li in linears])  # [Σ out]
         return linear(x, weight, bias, silu_cols=silu_cols)
 
     def fuse_input_projections(self) -> None:

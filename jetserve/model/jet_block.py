@@ -7,7 +7,7 @@ from torch import nn
 
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
-from jetserve.model.fusion import InputProjections, PreNorm
+from jetserve.model.fusion import InputProjections
 from jetserve.model.layers import Linear
 from jetserve.ops.dynamic_conv import (
     dynamic_conv_commit,
@@ -78,15 +78,13 @@ class JetBlock(InputProjections, nn.Module):
         return (self.q_proj, self.k_proj, self.dynamic_conv1d.kernel_generator.w1,
                 self.v_proj, self.a_proj, self.b_proj, self.g_proj)  # fmt: skip
 
-    def forward(self, x: torch.Tensor | PreNorm, fb: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden], or a `PreNorm` the input projection normalises → [T, hidden]."""
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         assert self.conv_state is not None, f"layer {self.layer_id}: no JetBlock state bound"
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        T, H, K, V = x.shape[0], self.num_heads, self.head_k_dim, self.head_v_dim
         generator = self.dynamic_conv1d.kernel_generator
         D_k, D_v, D_g = self.key_dim, self.value_dim, generator.w1.out_features
         # [T, 2 D_k + D_g + 2 D_v + 2 H] in input_projections' order, SiLU already on q, k and the generator's h
         projected = self.project(x, silu_cols=2 * D_k + D_g)
-        T = projected.shape[0]
         # Views, rows strided: the ops take them as they are.
         q, k, h, u, a, b, gate = projected.split([D_k, D_k, D_g, D_v, H, H, D_v], dim=-1)  # [T, D_k] x2, [T, D_g]
         q = q.view(T, H, K)  # [T, H, K]

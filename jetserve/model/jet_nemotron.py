@@ -29,11 +29,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None). Each norm is
-        deferred to the projections after it where they can run it in their GEMM's prologue (`RMSNorm.deferred`)."""
-        x, residual = self.input_layernorm.deferred(hidden, residual)
+        """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None)."""
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(x, fb)
-        x, residual = self.post_attention_layernorm.deferred(hidden, residual)
+        x, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(x), residual
 
 

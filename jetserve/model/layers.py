@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jetserve.model.fusion import InputProjections, PreNorm
-from jetserve.ops.linear import fuses_norm, gated_norm_linear, linear, swiglu_linear
+from jetserve.model.fusion import InputProjections
+from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
 from jetserve.ops.norm import rms_norm
 
 
@@ -43,19 +43,6 @@ class RMSNorm(nn.Module):
         """`x` [T, D]; with `residual` [T, D] returns (norm(x + residual), x + residual)."""
         return rms_norm(x, self.weight, self.eps, residual)
 
-    def deferred(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor | PreNorm, torch.Tensor]:
-        """(the next projection group's input, the new residual stream) of a pre-norm block: `hidden` [T, D] is the
-        previous sublayer's output (residual None: the embedding, which is also the residual). Where the projection
-        can normalise in its GEMM's prologue (`ops.linear.fuses_norm`: decode-sized T on the Triton backend), the
-        input is a `PreNorm` and the new residual a buffer that GEMM fills; else this norm runs now."""
-        if not fuses_norm(hidden):
-            return (self(hidden), hidden) if residual is None else self(hidden, residual)
-        residual_out = None if residual is None else torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        pending = PreNorm(hidden, residual, self.weight, self.eps, residual_out)
-        return pending, hidden if residual_out is None else residual_out
-
 
 class MLP(InputProjections, nn.Module):
     """SwiGLU: down(silu(gate x) * up x), no biases; gate and up are one GEMM (`InputProjections`)."""
@@ -69,6 +56,6 @@ class MLP(InputProjections, nn.Module):
     def input_projections(self) -> tuple[nn.Linear, ...]:
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor | PreNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.project(x)  # [T, 2I]
         return self.down_proj.forward_swiglu(gate_up)  # [T, hidden]: down(silu(gate) * up)

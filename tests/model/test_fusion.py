@@ -129,35 +129,6 @@ def test_triton_model_equals_reference_model(tiny_checkpoint):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
 
 
-def test_decode_runs_its_norms_in_the_projections(tiny_checkpoint, monkeypatch):
-    """On the Triton backend a decode step's residual adds and RMSNorms run in the prologue of the GEMM after them
-    (`PreNorm`, `ops.linear.norm_linear`): of 2L + 1 RMSNorms one launch of its own is left, the final norm. A prefill
-    longer than WIDE_MAX_ROWS tokens runs them all as before."""
-    if not envs.triton_interpret():
-        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
-    from jetserve.ops.linear import WIDE_MAX_ROWS
-    from jetserve.ops.linear import kernels as linear_kernels
-    from jetserve.ops.norm import kernels as norm_kernels
-
-    calls = []
-    for module, name in [(norm_kernels, "rms_norm"), (linear_kernels, "norm_linear")]:
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
-    model = load_model(tiny_checkpoint, dtype="float32")
-    num_layers = model.config.num_hidden_layers
-    cache = StaticCache(model, 2, WIDE_MAX_ROWS + 16, page_size=8)
-    try:
-        set_backend("triton")
-        with torch.inference_mode():
-            model(cache.batch([0], [random_tokens(WIDE_MAX_ROWS + 1, 0)]))
-            assert calls.count("rms_norm") == 2 * num_layers + 1 and "norm_linear" not in calls
-            calls.clear()
-            model(cache.batch([0, 1], [[3], random_tokens(2, 1)]))  # a decode row beside a 2-token prefill
-            assert calls.count("rms_norm") == 1 and calls.count("norm_linear") == 2 * num_layers
-    finally:
-        set_backend(None)
-
-
 def test_fusing_twice_changes_nothing(tiny_checkpoint):
     model = load_model(tiny_checkpoint, dtype="float32")
     before = [m.fused_input for m in groups(model)]

@@ -261,73 +261,6 @@ def test_linear_kernel_leading_dims_and_empty(kernels) -> None:
     assert torch.equal(kernels.linear(x[..., :0], weight[:, :0], bias), bias.expand(2, 3, 10))
 
 
-def norm_input(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """What the pre-norm mode multiplies: rms_norm(x + residual) (or of x), rounded to x's dtype."""
-    from jetserve.ops.norm.reference import rms_norm
-
-    return rms_norm(x, norm_weight, eps) if residual is None else rms_norm(x, norm_weight, eps, residual)[0]
-
-
-def test_norm_linear_reference_and_checks() -> None:
-    """The reference is rms_norm (the residual add written to residual_out) then linear; residual_out goes with a
-    residual and nowhere else."""
-    x, residual, norm_weight = randn(3, 16, seed=80), randn(3, 16, seed=81), randn(16, seed=82)
-    weight, bias = randn(5, 16, seed=83), randn(5, seed=84)
-    out = torch.full((3, 16), float("nan"))
-    y = ref.norm_linear(x, residual, norm_weight, 1e-6, weight, bias, silu_cols=2, residual_out=out)
-    assert torch.equal(out, x + residual)
-    assert torch.equal(y, ref.linear(norm_input(x, residual, norm_weight, 1e-6), weight, bias, silu_cols=2))
-    plain = ref.norm_linear(x, None, norm_weight, 1e-6, weight)
-    assert torch.equal(plain, ref.linear(norm_input(x, None, norm_weight, 1e-6), weight))
-    with pytest.raises(ValueError, match="residual_out"):
-        ref.norm_linear(x, residual, norm_weight, 1e-6, weight)
-    with pytest.raises(ValueError, match="residual_out"):
-        ref.norm_linear(x, None, norm_weight, 1e-6, weight, residual_out=out)
-    with pytest.raises(ValueError, match="contiguous"):
-        ref.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=torch.empty(16, 3).t())
-    with pytest.raises(ValueError, match="weight must be"):
-        ref.norm_linear(x, None, randn(15), 1e-6, weight)
-
-
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize(
-    "num_rows, n, k, has_residual, silu_cols, has_bias, tiling",
-    [
-        (1, 37, 96, True, 5, True, None),  # the heuristic's pick; K = 96 is not a power of two
-        (3, 12, 40, False, 0, False, None),  # layer 0: no residual (the embedding is the residual)
-        (1, 37, 200, True, 0, True, (1, 16, 32, 3, False)),  # FMA, split K: the splits' sums of h² added afterwards
-        (5, 37, 200, True, 7, False, (16, 16, 32, 1, True)),  # tensor cores, ragged K
-        (16, 300, 64, True, 0, True, (16, 32, 16, 2, True)),  # tensor cores, split K, several column blocks
-        (40, 20, 24, True, 3, False, None),  # more than 32 rows: a 64-row tile
-        (70, 20, 24, True, 0, False, None),  # more rows than one launch holds
-    ],
-)
-def test_norm_linear_kernel_matches_reference(
-    kernels, dtype, num_rows, n, k, has_residual, silu_cols, has_bias, tiling
-) -> None:
-    """The residual add and RMSNorm in the GEMM's prologue: h = x + residual written once, exactly as the add rounds
-    it (NaN-filled beforehand, so a column left unwritten fails), and the product of rms_norm(h) within rounding."""
-    x = randn(num_rows, k, dtype=dtype, seed=85, scale=2.0).to(DEVICE)
-    residual = randn(num_rows, k, dtype=dtype, seed=86).to(DEVICE) if has_residual else None
-    out = torch.full((num_rows, k), float("nan"), dtype=dtype, device=DEVICE) if has_residual else None
-    norm_weight = randn(k, dtype=dtype, seed=87).to(DEVICE)
-    weight = randn(n, k, dtype=dtype, seed=88, scale=k**-0.5).to(DEVICE)
-    bias = randn(n, dtype=dtype, seed=89).to(DEVICE) if has_bias else None
-    t = kernels.GemvTiling(*tiling) if tiling else None
-    kw = dict(silu_cols=silu_cols, residual_out=out, tiling=t)
-    y = kernels.norm_linear(x, residual, norm_weight, 1e-5, weight, bias, **kw)
-    if has_residual:
-        assert torch.equal(out, x + residual)
-    normed = norm_input(x, residual, norm_weight, 1e-5)
-    exact = expected(normed, weight, bias)
-    exact[:, :silu_cols] = torch.nn.functional.silu(exact[:, :silu_cols])
-    assert y.dtype == dtype and torch.isfinite(y).all()
-    # Twice the other modes' tolerance: the kernel rounds h · norm_weight, the reference the normed row (two
-    # roundings apart); a wrong row scale or a column normed twice is off by far more.
-    scale, tol = exact.pow(2).mean().sqrt().item(), 2 * TOLERANCE[dtype]
-    torch.testing.assert_close(y.double() / scale, exact / scale, rtol=tol, atol=tol)
-
-
 def test_linear_kernel_more_rows_than_one_launch(kernels) -> None:
     """Rows past MAX_BLOCK_M run as further launches over row blocks."""
     num_rows = kernels.MAX_BLOCK_M + 3
@@ -416,40 +349,24 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         backend.set_backend(None)
 
 
-def test_dispatch_of_wide_weights_and_the_norm_prologue(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights of WIDE_MIN_N rows or more take the Triton kernel up to WIDE_MAX_ROWS rows; `norm_linear` takes it
-    where `linear` would (else rms_norm then linear, the sum still written to residual_out); `fuses_norm` says when a
-    decoder may defer its norm."""
+def test_dispatch_of_wide_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights of WIDE_MIN_N rows or more take the Triton kernel up to WIDE_MAX_ROWS rows; narrower ones up to
+    GEMV_MAX_ROWS."""
     from jetserve.ops import linear as ops_linear
     from jetserve.ops.linear import kernels as module
 
     calls = []
     monkeypatch.setattr(module, "linear", lambda x, w, b=None, **kw: calls.append(x.shape) or ref.linear(x, w, b, **kw))
-    monkeypatch.setattr(
-        module, "norm_linear", lambda x, *a, **kw: calls.append(("norm", x.shape)) or ref.norm_linear(x, *a, **kw)
-    )
     monkeypatch.setattr(backend, "_forced", None)
-    wide, narrow = randn(ops_linear.WIDE_MIN_N, 8, seed=61), randn(6, 8, seed=62)
-    triton_runs = envs.triton_interpret() or DEVICE == "cuda"
+    wide, narrow = randn(ops_linear.WIDE_MIN_N, 8, seed=61), randn(ops_linear.WIDE_MIN_N - 1, 8, seed=62)
     backend.set_backend("triton")
     try:
         dispatched_linear(randn(ops_linear.WIDE_MAX_ROWS, 8), wide)
         dispatched_linear(randn(ops_linear.WIDE_MAX_ROWS + 1, 8), wide)  # too many rows even for a wide weight
         dispatched_linear(randn(GEMV_MAX_ROWS + 1, 8), narrow)
-        assert calls == ([(ops_linear.WIDE_MAX_ROWS, 8)] if triton_runs else [])
-        calls.clear()
-        x, residual, norm_weight = randn(GEMV_MAX_ROWS + 1, 8, seed=63), randn(GEMV_MAX_ROWS + 1, 8), randn(8)
-        for weight in (wide, narrow):
-            out = torch.full_like(x, float("nan"))
-            y = ops_linear.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=out)
-            assert torch.equal(out, x + residual)
-            torch.testing.assert_close(y, ref.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=out))
-        assert calls == ([("norm", x.shape)] if triton_runs else [])
-        assert ops_linear.fuses_norm(randn(ops_linear.WIDE_MAX_ROWS, 8)) == triton_runs
-        assert not ops_linear.fuses_norm(randn(ops_linear.WIDE_MAX_ROWS + 1, 8))
-        assert not ops_linear.fuses_norm(randn(2, 8, dtype=torch.float64))
-        backend.set_backend("reference")
-        assert not ops_linear.fuses_norm(randn(1, 8))
+        dispatched_linear(randn(GEMV_MAX_ROWS, 8), narrow)
+        triton_runs = envs.triton_interpret() or DEVICE == "cuda"
+        assert calls == ([(ops_linear.WIDE_MAX_ROWS, 8), (GEMV_MAX_ROWS, 8)] if triton_runs else [])
     finally:
         backend.set_backend(None)
 
@@ -590,26 +507,3 @@ def test_gated_norm_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -
     weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
     actual = kernels.gated_norm_linear(o, gate, norm_weight, 1e-5, weight)
     assert_matches(actual, gated_norm_input(o, gate, norm_weight, 1e-5), weight, None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["2b jet q|k|v|a|b|g|w1", "2b attn q|k|v", "2b mlp gate|up", "4b jet q|k|v|a|b|g|w1"])
-@pytest.mark.parametrize("num_rows", [1, 5, 16, 32, 64])
-def test_norm_linear_kernel_real_shapes_bf16(kernels, name: str, num_rows: int) -> None:
-    """The residual add and RMSNorm in the prologue at the decode shapes in bf16 (past 16 rows the wide weights only,
-    as dispatched): the sum written exactly, the product within twice the bf16 tolerance (`test_norm_linear_kernel_
-    matches_reference`)."""
-    n, k = GPU_SHAPES[name]
-    if num_rows > GEMV_MAX_ROWS and n < 4096:
-        pytest.skip("past GEMV_MAX_ROWS narrow weights run rms_norm then cuBLAS")
-    gen = torch.Generator(device="cuda").manual_seed(num_rows)
-    x, residual = (torch.randn(num_rows, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
-    norm_weight = torch.randn(k, device="cuda", generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
-    out = torch.full_like(x, float("nan"))
-    actual = kernels.norm_linear(x, residual, norm_weight, 1e-6, weight, residual_out=out)
-    assert torch.equal(out, x + residual)
-    exact = expected(norm_input(x, residual, norm_weight, 1e-6), weight, None)
-    scale, tol = exact.pow(2).mean().sqrt().item(), 2 * TOLERANCE[torch.bfloat16]
-    torch.testing.assert_close(actual.double() / scale, exact / scale, rtol=tol, atol=tol)

@@ -8,7 +8,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.linear import reference
-from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul
+from jetserve.ops.norm import gated_rms_norm, silu_and_mul
 
 GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs for any weight; past it, F.linear (cuBLAS)
 WIDE_MAX_ROWS = 64  # ... and up to which it runs for a weight of at least WIDE_MIN_N output features
@@ -60,48 +60,6 @@ def gated_norm_linear(
     return linear(y.reshape(num_rows, width), weight)
 
 
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-    residual_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [M, K] (+ residual [M, K], the sum written to residual_out) → RMSNorm (norm_weight [K]) → times weight
-    [N, K]ᵀ + bias, SiLU on columns [0, silu_cols): [M, N] in x.dtype. One Triton launch under the same conditions as
-    `linear`, else `rms_norm` (one launch, the sum written by it) then `linear`. See `reference.norm_linear`."""
-    if _takes_triton(x, weight) and x.dim() == 2:
-        from jetserve.ops.linear import kernels
-
-        return kernels.norm_linear(
-            x, residual, norm_weight, eps, weight, bias, silu_cols=silu_cols, residual_out=residual_out
-        )
-    reference.check_norm_linear(x, residual, norm_weight, weight, bias, silu_cols, residual_out)
-    if residual is None:
-        normed = rms_norm(x, norm_weight, eps)
-    else:
-        normed, _ = rms_norm(x, norm_weight, eps, residual, residual_out=residual_out)
-    return linear(normed, weight, bias, silu_cols=silu_cols)
-
-
-def fuses_norm(x: torch.Tensor) -> bool:
-    """Whether `norm_linear` may run as one launch for x [M, K] (some weight shapes still fall back): the Triton
-    backend, 1 ≤ M ≤ WIDE_MAX_ROWS, a dtype the kernel takes, no autograd. Decoder layers ask before deferring their
-    norm to the next projection."""
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    return (
-        use_triton(x)
-        and not needs_grad
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= WIDE_MAX_ROWS
-        and (x.dtype in _TRITON_DTYPES)
-    )
-
-
 def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The Triton kernel's conditions: the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS rows (M = the product of x's
     leading dims; ≤ WIDE_MAX_ROWS for a weight of ≥ WIDE_MIN_N rows), a dtype it takes, and no autograd (the kernel
@@ -138,10 +96,9 @@ def _has_fp32_out_gemm(device: torch.device) -> bool:
 __all__ = [
     "GEMV_MAX_ROWS",
     "WIDE_MAX_ROWS",
-    "fuses_norm",
+    "WIDE_MIN_N",
     "gated_norm_linear",
     "linear",
     "logits_linear",
-    "norm_linear",
     "swiglu_linear",
 ]

@@ -17,12 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.linear.reference import (
-    check_gated_norm_linear,
-    check_linear,
-    check_norm_linear,
-    check_swiglu_linear,
-)
+from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -64,17 +59,10 @@ def _linear_kernel(
     stride_gm,
     norm_w,
     eps,
-    res,
-    stride_rm,
-    res_out,
-    stride_om,
-    partial_ss,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
     NORM_HEAD: tl.constexpr,  # > 0: the input is gated_rms_norm(x, norm_w, gate) over heads of NORM_HEAD columns
-    PRE_NORM: tl.constexpr,  # the input is rms_norm(h) over all K columns, h = x (+ res): see `norm_linear`
-    HAS_RES: tl.constexpr,  # PRE_NORM with a residual: h = x + res, which programs of column block 0 write to res_out
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -100,7 +88,6 @@ def _linear_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # PRE_NORM: Σ h² of each row over this program's columns
     for i in range(num_tiles):
         if EVEN_K:
             b_w = tl.load(p_w)
@@ -131,18 +118,6 @@ def _linear_kernel(
             b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
             b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
             b_x = (b_o * b_nw[None, :] * (b_g * tl.sigmoid(b_g))).to(x.dtype.element_ty)
-        if PRE_NORM:  # rms_norm's row scale 1/rms(h) is common to a row's K columns: applied after the loop
-            o_kk = o_k + i * BLOCK_K
-            m_hk = m_m[:, None] & (o_kk < K)[None, :]
-            if HAS_RES:  # h = x + res in x's dtype (one rounding, as the residual add rounds it)
-                b_r = tl.load(res + o_m.to(tl.int64)[:, None] * stride_rm + o_kk[None, :], mask=m_hk, other=0.0)
-                b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(x.dtype.element_ty)
-                p_out = res_out + o_m.to(tl.int64)[:, None] * stride_om + o_kk[None, :]
-                tl.store(p_out, b_x, mask=m_hk & (i_n == 0))
-            b_h = b_x.to(tl.float32)
-            b_ss += tl.sum(b_h * b_h, axis=1)
-            b_nw = tl.load(norm_w + o_kk, mask=o_kk < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-            b_x = (b_h * b_nw[None, :]).to(x.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
         else:
@@ -157,11 +132,7 @@ def _linear_kernel(
     o_y = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
     if IS_SPLIT:
         tl.store(partial + i_s.to(tl.int64) * M * N + o_y, b_y, mask=m_y)
-        if PRE_NORM:
-            tl.store(partial_ss + i_s * M + o_m, b_ss, mask=m_m & (i_n == 0))
     else:
-        if PRE_NORM:
-            b_y *= tl.rsqrt(b_ss / K + eps)[:, None]
         if HAS_BIAS:
             b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         if HAS_SILU:
@@ -178,25 +149,16 @@ def _split_sum_kernel(
     N,
     num_splits,
     silu_cols,
-    partial_ss,
-    K,
-    eps,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,
-    PRE_NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     i_m, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_ss = 0.0
     for i_s in range(num_splits):  # a fixed order: the result does not depend on which split finished first
         b_y += tl.load(partial + (i_s * M + i_m) * N + o_n, mask=m_n, other=0.0)
-        if PRE_NORM:
-            b_ss += tl.load(partial_ss + i_s * M + i_m)
-    if PRE_NORM:
-        b_y *= tl.rsqrt(b_ss / K + eps)
     if HAS_BIAS:
         b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
     if HAS_SILU:
@@ -312,32 +274,6 @@ def gated_norm_linear(
     return _linear(o, weight, None, t, gated=False, norm=norm)
 
 
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-    residual_out: torch.Tensor | None = None,
-    tiling: GemvTiling | None = None,
-) -> torch.Tensor:
-    """`linear(rms_norm(h, norm_weight, eps), weight, bias, silu_cols)` in one launch, h = x + residual (rounded to
-    x.dtype), or x when residual is None; with a residual, h is written to `residual_out`: the decoder's residual add
-    and RMSNorm in the prologue of the projection that reads them. x, residual, residual_out [M, K] (unit stride on K),
-    norm_weight [K], weight [N, K] → [M, N] in x.dtype; see `reference.norm_linear`.
-
-    Each program sums h² over its columns while it streams them and scales its products by the row's 1/rms(h) after
-    the loop (a split K sums the splits' h² in the second launch): the GEMM's operand is h · norm_weight rounded to
-    x.dtype, the row scale applied to the fp32 accumulator — not the separate norm's one rounding of the normed row,
-    a difference of the order of that rounding."""
-    check_norm_linear(x, residual, norm_weight, weight, bias, silu_cols, residual_out)
-    pre = (residual, residual_out, norm_weight.contiguous(), float(eps))
-    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols, pre=pre)
-
-
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -346,7 +282,6 @@ def _linear(
     gated: bool,
     silu_cols: int = 0,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
-    pre: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
@@ -366,10 +301,8 @@ def _linear(
         return y.view(*lead, n)
     for start in range(0, num_rows, MAX_BLOCK_M):
         rows = min(MAX_BLOCK_M, num_rows - start)
-        block = slice(start, start + rows)
-        rows_norm = None if norm is None else (norm[0][block], *norm[1:])
-        rows_pre = None if pre is None else (*(None if t is None else t[block] for t in pre[:2]), *pre[2:])
-        _launch(x2[block], weight, bias, y[block], tiling, gated, silu_cols, rows_norm, rows_pre)
+        rows_norm = None if norm is None else (norm[0][start : start + rows], *norm[1:])
+        _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols, rows_norm)
     return y.view(*lead, n)
 
 
@@ -382,13 +315,10 @@ def _launch(
     gated: bool,
     silu_cols: int,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None,
-    pre: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, float] | None = None,
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
-    has_res = pre is not None and pre[0] is not None
-    t = tiling or choose_tiling(num_rows, n, k, sm_count(x.device))
-    t = fit_pipeline(t, x.element_size(), gated or has_res, norm)
+    t = fit_pipeline(tiling or choose_tiling(num_rows, n, k, sm_count(x.device)), x.element_size(), gated, norm)
     if t.block_m < num_rows:
         raise ValueError(f"tiling: block_m {t.block_m} holds fewer than the {num_rows} rows of x")
     num_tiles = triton.cdiv(k, t.block_k)
@@ -396,9 +326,6 @@ def _launch(
     num_splits = triton.cdiv(num_tiles, tiles_per_split)
     is_split = num_splits > 1
     partial = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=x.device) if is_split else y
-    # PRE_NORM's Σ h² of each split and row (fp32), summed by the second launch
-    partial_ss = torch.empty(num_splits, num_rows, dtype=torch.float32, device=x.device) if is_split and pre else y
-    res, res_out = (pre[0], pre[1]) if has_res else (x, y)
     _linear_kernel[(triton.cdiv(n, t.block_n), num_splits)](
         x,
         weight,
@@ -414,19 +341,12 @@ def _launch(
         silu_cols,
         norm[0] if norm else x,
         norm[0].stride(0) if norm else 0,
-        norm[1] if norm else pre[2] if pre else x,
-        norm[2] if norm else pre[3] if pre else 0.0,
-        res,
-        res.stride(0),
-        res_out,
-        res_out.stride(0),
-        partial_ss,
+        norm[1] if norm else x,
+        norm[2] if norm else 0.0,
         HAS_BIAS=bias is not None,
         HAS_SILU=silu_cols > 0,
         GATED=gated,
         NORM_HEAD=norm[3] if norm else 0,
-        PRE_NORM=pre is not None,
-        HAS_RES=has_res,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,
@@ -448,11 +368,7 @@ def _launch(
             n,
             num_splits,
             silu_cols,
-            partial_ss,
-            k,
-            pre[3] if pre else 0.0,
             HAS_BIAS=bias is not None,
             HAS_SILU=silu_cols > 0,
-            PRE_NORM=pre is not None,
             BLOCK_N=block_n,
         )

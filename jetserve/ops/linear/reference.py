@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jetserve.ops.norm.reference import check_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
+from jetserve.ops.norm.reference import gated_rms_norm, silu_and_mul
 
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_cols: int = 0) -> None:
@@ -48,47 +48,6 @@ def check_gated_norm_linear(
             f"norm_weight must be [V], V a power of two dividing {o.shape[1]}, got {tuple(norm_weight.shape)}"
         )
     check_linear(o, weight, None)
-
-
-def check_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu_cols: int,
-    residual_out: torch.Tensor | None,
-) -> None:
-    """ValueError unless x [M, K] and residual fit `rms_norm` with norm_weight [K], residual_out is given exactly when
-    residual is, and the normed x fits `linear` with weight [N, K], bias and silu_cols."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
-    if (residual is None) != (residual_out is None):
-        raise ValueError("residual_out (where x + residual goes) must be given exactly when residual is")
-    check_rms_norm(x, norm_weight, residual, residual_out)
-    check_linear(x, weight, bias, silu_cols)
-
-
-def norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_cols: int = 0,
-    residual_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A pre-norm decoder's residual add, RMSNorm and next projection: h = x + residual in x.dtype (x alone when
-    residual is None), written to `residual_out` [M, K]; then `linear(rms_norm(h, norm_weight, eps), weight, bias,
-    silu_cols)`. x [M, K], norm_weight [K], weight [N, K] → [M, N] in x.dtype."""
-    check_norm_linear(x, residual, norm_weight, weight, bias, silu_cols, residual_out)
-    if residual is None:
-        normed = rms_norm(x, norm_weight, eps)
-    else:
-        normed, _ = rms_norm(x, norm_weight, eps, residual, residual_out=residual_out)
-    return linear(normed, weight, bias, silu_cols=silu_cols)
 
 
 def linear(

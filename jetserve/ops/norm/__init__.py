@@ -9,18 +9,12 @@ from jetserve.ops.norm import kernels, reference
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    *,
-    residual_out: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D], weight [D] → y [T, D]; with residual [T, D] → (y, h = x + residual), h into `residual_out` when
-    given. See `reference.rms_norm`."""
+    """x [T, D], weight [D] → y [T, D]; with residual [T, D] → (y, h = x + residual). See `reference.rms_norm`."""
     if use_triton(x):
-        return kernels.rms_norm(x, weight, eps, residual, residual_out=residual_out)
-    return reference.rms_norm(x, weight, eps, residual, residual_out=residual_out)
+        return kernels.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
 
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

@@ -110,23 +110,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    *,
-    residual_out: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm in one pass; see `reference.rms_norm`. x [T, D], weight [D], residual [T, D] or None.
 
-    Returns y [T, D] in x.dtype, or with `residual` the pair (y, h = x + residual), h written by the same kernel (to
-    `residual_out` when given).
+    Returns y [T, D] in x.dtype, or with `residual` the pair (y, h = x + residual), h written by the same kernel.
     """
-    check_rms_norm(x, weight, residual, residual_out)
+    check_rms_norm(x, weight, residual)
     x2 = _rows(x)  # [T, D]
     num_rows, d = x2.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, D]
-    h = None if residual is None else residual_out if residual_out is not None else torch.empty_like(y)
+    h = torch.empty_like(y) if residual is not None else None
     r2 = _rows(residual) if residual is not None else x2
     block_r, block_d, num_warps = _row_tiling(num_rows, d)
     if num_rows > 0:

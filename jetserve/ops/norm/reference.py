@@ -6,14 +6,8 @@ import torch
 import torch.nn.functional as F
 
 
-def check_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor | None,
-    residual_out: torch.Tensor | None = None,
-) -> None:
-    """ValueError unless x [..., D], weight [D] and residual (None, or x's shape and dtype) fit together, and
-    residual_out is None or, with a residual, a contiguous tensor of x's shape and dtype."""
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """ValueError unless x [..., D], weight [D] and residual (None, or x's shape and dtype) fit together."""
     if x.dim() < 1:
         raise ValueError("x must have a last (channel) dimension")
     if weight.shape != (x.shape[-1],):
@@ -22,14 +16,6 @@ def check_rms_norm(
         raise ValueError(
             f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}"
         )
-    if residual_out is not None:
-        if residual is None:
-            raise ValueError("residual_out is only written with a residual")
-        if residual_out.shape != x.shape or residual_out.dtype != x.dtype or not residual_out.is_contiguous():
-            raise ValueError(
-                f"residual_out must be contiguous, {tuple(x.shape)} and {x.dtype}, got {tuple(residual_out.shape)}, "
-                f"{residual_out.dtype}"
-            )
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,12 +25,7 @@ def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    *,
-    residual_out: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Jet-Nemotron's RMSNorm over the last dim: `(weight.float() * (x32 * rsqrt(mean(x32²) + eps))).to(x.dtype)`.
 
@@ -52,13 +33,12 @@ def rms_norm(
     (DESIGN.md §1; not Qwen2's `weight * normed.to(dtype)`, which rounds twice).
 
     x [T, D] (any leading dims), weight [D]. Returns y [T, D] in x.dtype. With `residual` [T, D] (x's dtype), first
-    `h = x + residual` in x.dtype and returns `(rms_norm(h), h)`: h is the new residual stream, written to
-    `residual_out` when given (else a new tensor).
+    `h = x + residual` in x.dtype and returns `(rms_norm(h), h)`: h is the new residual stream.
     """
-    check_rms_norm(x, weight, residual, residual_out)
+    check_rms_norm(x, weight, residual)
     if residual is None:
         return _normalize(x, weight, eps)
-    h = torch.add(x, residual, out=residual_out)  # [T, D] in x.dtype, rounded once like the model's `h += mixer(...)`
+    h = x + residual  # [T, D] in x.dtype, rounded once like the model's `h += mixer(...)`
     return _normalize(h, weight, eps), h
 
 

@@ -1,13 +1,11 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
 
 A kernel launched with PDL may start while the kernel before it in the stream is still running: its programs are
-scheduled as soon as every program of the previous kernel has signalled (`gdc_launch_dependents`, here at the end of
-each program's main work), and they must wait
+scheduled as soon as every program of the previous kernel has signalled (`gdc_launch_dependents`), and they must wait
 (`gdc_wait`, which returns once the previous kernel has finished and its writes are visible) before touching memory
 that kernel writes or reads. What runs before the wait may only read memory no kernel of the step writes: the skinny
-GEMM prefetches its weight slice into L2 there. Every kernel here waits before its first other memory access and
-signals when its main work is done, so a chain of them overlaps each kernel's start with the previous one's tail; a
-kernel launched
+GEMM prefetches its weight slice into L2 there. Every kernel here signals first and waits before its first other
+memory access, so a chain of them overlaps each kernel's start with the previous one's tail; a kernel launched
 without PDL (torch's, cuBLAS) waits for the previous one as usual. Off unless `JETSERVE_PDL=1` (envs.pdl), and only
 on CUDA devices of compute capability 9.0 or more; the interpreter never sees the instructions.
 """
@@ -43,18 +41,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous kernel (a no-op unless PDL)."""
-    if PDL:
-        gdc_wait()
-
-
-@triton.jit
-def pdl_exit(PDL: tl.constexpr):
-    """Let the next kernel launch (a no-op unless PDL): called once a program's main work is done, so that one kernel
-    at most waits ahead (signalled at the start, a whole layer's kernels launched at once and their weight prefetches
-    thrashed L2: session 20, H200, batch-1 step 1.79 → 2.20 ms)."""
+    """Let the next kernel launch, then wait for the previous one (both no-ops unless PDL)."""
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import triton.language as tl
 from jetserve.ops.dynamic_conv.checks import check_decode_args
 from jetserve.ops.dynamic_conv.kernel_generator import decode_tiles_for, dot_precision, kernel_tile
 from jetserve.ops.layout import dense
-from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
+from jetserve.ops.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -89,7 +89,6 @@ def _decode_kernel(
     new = tl.where(from_u[None, :, None], newest.to(conv_state.dtype.element_ty)[:, None, :], shifted)
     tl.debug_barrier()
     tl.store(p_window, new, mask=m_3)
-    pdl_exit(PDL)
 
 
 def dynamic_conv_decode(

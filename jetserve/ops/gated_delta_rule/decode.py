@@ -16,7 +16,7 @@ from jetserve.ops.gated_delta_rule.step import (
     unit_last_stride,
 )
 from jetserve.ops.layout import dense
-from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
+from jetserve.ops.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -72,7 +72,6 @@ def gated_delta_rule_decode_kernel(
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
     tl.store(p_s, b_s, mask=m_s)
     tl.store(o + (i_n64 * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-    pdl_exit(PDL)
 
 
 def gated_delta_rule_decode(

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
-from jetserve.ops.pdl import gdc_launch_dependents, gdc_wait, line_columns, pdl_enter, pdl_exit, prefetch_l2, uses_pdl
+from jetserve.ops.pdl import gdc_launch_dependents, gdc_wait, line_columns, pdl_enter, prefetch_l2, uses_pdl
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -88,6 +88,7 @@ def _linear_kernel(
     p_w = w + r_n[:, None] * stride_wn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
     if PDL:  # the weights are no kernel's output: their lines head for L2 while the previous kernel finishes
+        gdc_launch_dependents()
         o_line = tl.arange(0, BLOCK_K // PF_COLS) * PF_COLS
         for i in range(num_tiles):
             cols = tl.minimum(i_s * tiles_per_split * BLOCK_K + i * BLOCK_K + o_line, K - 1)
@@ -133,8 +134,6 @@ def _linear_kernel(
             acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
         p_w += BLOCK_K
         p_x += BLOCK_K
-    if PDL:  # the next kernel may launch (and prefetch) during this one's epilogue and tail
-        gdc_launch_dependents()
     if USE_DOT:
         b_y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
@@ -177,7 +176,6 @@ def _split_sum_kernel(
     if HAS_SILU:
         b_y = tl.where(o_n < silu_cols, b_y * tl.sigmoid(b_y), b_y)
     tl.store(y + i_m * N + o_n, b_y.to(y.dtype.element_ty), mask=m_n)
-    pdl_exit(PDL)
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.norm.reference import check_gated_rms_norm, check_rms_norm, check_silu_and_mul
-from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
+from jetserve.ops.pdl import pdl_enter, pdl_launch
 
 MAX_BLOCK_D = 32768  # a whole row lives in registers: one pass, no second read of x
 TILE_ELEMENTS = 4096  # rows per program are chosen so a tile holds about this many elements
@@ -49,7 +49,6 @@ def _rms_norm_kernel(
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = b_w[None, :] * (b_x * b_rstd[:, None])
     tl.store(y + o_r[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_x)
-    pdl_exit(PDL)
 
 
 @triton.jit

@@ -23,9 +23,3 @@ def tp_all_reduce() -> str:
     if value not in ("nccl", "one-shot"):
         raise ValueError(f"JETSERVE_TP_ALL_REDUCE: {value!r} is not one of nccl, one-shot")
     return value
-
-
-def pdl() -> bool:
-    """JETSERVE_PDL=1 launches the decode step's Triton kernels with programmatic dependent launch (Hopper and later:
-    a kernel's programs start, and prefetch their weights, while the kernel before it finishes). Off by default."""
-    return os.environ.get("JETSERVE_PDL", "0") == "1"

@@ -16,7 +16,6 @@ from jetserve.ops.gated_delta_rule.step import (
     unit_last_stride,
 )
 from jetserve.ops.layout import dense
-from jetserve.ops.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -47,9 +46,7 @@ def gated_delta_rule_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     EPS: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
-    pdl_enter(PDL)
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -138,6 +135,5 @@ def gated_delta_rule_decode(
         BV=BV,
         EPS=L2NORM_EPS,
         num_warps=4,
-        **pdl_launch(q),
     )
     return o

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
-from jetserve.ops.pdl import gdc_launch_dependents, gdc_wait, line_columns, pdl_enter, prefetch_l2, uses_pdl
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -72,8 +71,6 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
-    PF_COLS: tl.constexpr = 64,  # PDL: columns of a weight row per L2 line prefetched
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,13 +84,6 @@ def _linear_kernel(
     r_n = tl.minimum(o_n, N - 1).to(tl.int64)
     p_w = w + r_n[:, None] * stride_wn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    if PDL:  # the weights are no kernel's output: their lines head for L2 while the previous kernel finishes
-        gdc_launch_dependents()
-        o_line = tl.arange(0, BLOCK_K // PF_COLS) * PF_COLS
-        for i in range(num_tiles):
-            cols = tl.minimum(i_s * tiles_per_split * BLOCK_K + i * BLOCK_K + o_line, K - 1)
-            prefetch_l2(w + r_n[:, None] * stride_wn + cols[None, :])  # [BLOCK_N, BLOCK_K / PF_COLS] lines
-        gdc_wait()
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
@@ -162,9 +152,7 @@ def _split_sum_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    pdl_enter(PDL)
     i_m, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -338,8 +326,6 @@ def _launch(
     num_splits = triton.cdiv(num_tiles, tiles_per_split)
     is_split = num_splits > 1
     partial = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=x.device) if is_split else y
-    pdl = uses_pdl(x)
-    launch = {"launch_pdl": True} if pdl else {}
     _linear_kernel[(triton.cdiv(n, t.block_n), num_splits)](
         x,
         weight,
@@ -371,9 +357,6 @@ def _launch(
         BLOCK_K=t.block_k,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
-        PDL=pdl,
-        PF_COLS=line_columns(t.block_k, weight.element_size()),
-        **launch,
     )
     if is_split:
         block_n = min(1024, triton.next_power_of_2(n))
@@ -388,6 +371,4 @@ def _launch(
             HAS_BIAS=bias is not None,
             HAS_SILU=silu_cols > 0,
             BLOCK_N=block_n,
-            PDL=pdl,
-            **launch,
         )

@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.norm.reference import check_gated_rms_norm, check_rms_norm, check_silu_and_mul
-from jetserve.ops.pdl import pdl_enter, pdl_launch
 
 MAX_BLOCK_D = 32768  # a whole row lives in registers: one pass, no second read of x
 TILE_ELEMENTS = 4096  # rows per program are chosen so a tile holds about this many elements
@@ -30,9 +29,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
-    pdl_enter(PDL)
     i_r = tl.program_id(0)
     o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
@@ -142,7 +139,6 @@ def rms_norm(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=num_warps,
-            **pdl_launch(x),
         )
     return y if h is None else (y, h)
 

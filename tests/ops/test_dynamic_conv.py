@@ -339,16 +339,22 @@ def test_triton_prefill_strided_inputs() -> None:
 @poisoned
 @pytest.mark.parametrize(
     ("width", "dtype", "gpu_tiles"),
-    [(4, torch.float32, False), (3, torch.float32, False), (4, torch.float16, False), (4, torch.float32, True)],
+    [
+        (4, torch.float32, None),
+        (3, torch.float32, None),
+        (4, torch.float16, None),
+        (4, torch.float32, (16, 8, 128, 2, 3)),  # the GPU's tiles for up to 16 rows
+        (4, torch.float32, (64, 16, 128, 4, 3)),  # ... and for 33-64 rows
+    ],
 )
-def test_triton_decode_matches_reference(width: int, dtype: torch.dtype, gpu_tiles: bool, monkeypatch) -> None:
-    """gpu_tiles: the tiles the GPU takes for up to 16 rows (8 channels, 128-wide K steps), here over 19 rows, 40
-    channels and a generator width of 20 (every edge masked)."""
+def test_triton_decode_matches_reference(width: int, dtype: torch.dtype, gpu_tiles: tuple | None, monkeypatch) -> None:
+    """gpu_tiles: tiles the GPU takes (token rows, channels, K step over the generator, warps, stages), here over 19
+    rows, 40 channels and a generator width of 20 (every edge masked)."""
     if gpu_tiles:
         from jetserve.ops.dynamic_conv import decode
         from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 
-        monkeypatch.setattr(decode, "decode_tiles_for", lambda x, rows: Tiles(16, 8, 128, num_warps=2, num_stages=3))
+        monkeypatch.setattr(decode, "decode_tiles_for", lambda x, rows: Tiles(*gpu_tiles))
     d, g, num_seqs, num_steps = 40, 20, 19, 3
     gen = torch.Generator().manual_seed(width)
     slots = torch.randperm(25, generator=gen)[:num_seqs] + 1

@@ -456,13 +456,12 @@ class SpecDecoder:
     ) -> None:
         """The catch-up's device part (what a flush graph captures): one draft forward of N rows of C tokens, the
         first `valid` of each stored and counted; a row with none keeps its draft output."""
-        num_seqs, width = ids.shape
+        width = ids.shape[1]
         positions = starts[:, None] + torch.arange(width, device=ids.device)  # [N, C]
         index = (slots[:, None].expand(-1, width), positions % self.ring)
         features = [buffer[index].flatten(0, 1) for buffer in self.missed_features]  # one [N*C, H_t] per layer
-        cu = torch.arange(num_seqs + 1, device=ids.device) * width  # [N+1]
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
-        hidden = self.drafters[0].extend(ids.flatten(), features, cu, starts, kv, width, num_valid=valid)  # [N, H]
+        hidden = self.drafters[0].extend_rows(ids, features, starts, kv, valid)  # [N, H]
         self.last_hidden[slots] = torch.where((valid > 0)[:, None], hidden, self.last_hidden[slots])
 
     def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> None:
@@ -521,12 +520,13 @@ class SpecDecoder:
         fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata)
         out = self.verifier.verify(fb, tree, sampling, is_chain=self.shapes[shape].topk == 1)
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
+        emitted = out.emitted_tokens(tree)  # [N, T_d]
         hidden = self.drafters[shape].extend_after_verify(
-            tree, out.accepted_nodes, out.num_accepted, out.bonus, out.aux_hidden_states, kv
+            tree, out.accepted_nodes, out.num_accepted, emitted, out.aux_hidden_states, kv
         )  # [N, H]
         self.last_hidden[slots] = hidden
         depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]
-        return torch.cat([out.emitted_tokens(tree), out.num_accepted.long()[:, None], depth], dim=1)
+        return torch.cat([emitted, out.num_accepted.long()[:, None], depth], dim=1)
 
     def run_verify(
         self, seqs: list[Sequence], slots_host: np.ndarray, shape: int, is_all_greedy: bool

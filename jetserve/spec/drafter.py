@@ -102,12 +102,40 @@ class Drafter:
         hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb, input_embeds)  # [T, H]
         return hidden[cu[:-1] + valid - 1]
 
+    def extend_rows(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor],
+        start_positions: torch.Tensor,
+        kv: DraftKV,
+        num_valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """`extend` for N rows of C tokens each (a verify step's catch-up, a flush of missed positions): its owner and
+        offset of every token come from the shape instead of `cu_seqlens` (a few kernels fewer in the graphs that
+        capture it). input_ids [N, C], aux_hidden_states one [N*C, H_t] per capture layer (row-major), start_positions
+        [N] int64, num_valid [N]: the first num_valid tokens of a row are stored and count. Returns [N, H], each row's
+        output at its last valid token (a row with none stores nothing; its output row is meaningless)."""
+        num_seqs, width = input_ids.shape
+        device = input_ids.device
+        offset = torch.arange(width, device=device)  # [C]
+        last = (num_valid.long() - 1).clamp(min=0)  # [N]: each row's last valid offset
+        starts = start_positions.long()  # [N]
+        # As in `extend`: padding tokens take their row's last valid position and write nothing.
+        positions = starts[:, None] + torch.minimum(offset[None, :], last[:, None])  # [N, C]
+        rows = torch.arange(num_seqs, device=device)  # [N]
+        stored = offset[None, :] < num_valid[:, None]  # [N, C]
+        slots = torch.where(stored, kv.slots(rows[:, None].expand(-1, width), positions), -1)  # [N, C]
+        cu = torch.arange(num_seqs + 1, device=device) * width  # [N+1]
+        fb = self._prefill_batch(positions.view(-1), cu, starts + width, slots.view(-1), kv.block_tables, width)
+        hidden = self.draft(input_ids.reshape(-1), self.draft.project_features(aux_hidden_states), fb)  # [N*C, H]
+        return hidden.view(num_seqs, width, -1)[rows, last]
+
     def extend_after_verify(
         self,
         tree: DraftTree,
         accepted_nodes: torch.Tensor,
         num_accepted: torch.Tensor,
-        bonus: torch.Tensor,
+        emitted: torch.Tensor,
         aux_hidden_states: list[torch.Tensor],
         kv: DraftKV,
     ) -> torch.Tensor:
@@ -115,21 +143,16 @@ class Drafter:
         root position + [0, m) with inputs (token of a_{k+1}, or the bonus for the last; the target's feature at a_k).
         Fixed shape: T_d tokens per sequence, the ones past m padding. Returns [N, H] for the next `draft_tree`.
 
-        tree the verified DraftTree [N, T_d], accepted_nodes [N, T_d] / num_accepted [N] / bonus [N] from tree
-        acceptance, aux_hidden_states the verify step's features (one [N*T_d, H_t] per capture layer).
+        tree the verified DraftTree [N, T_d], accepted_nodes [N, T_d] / num_accepted [N] from tree acceptance,
+        emitted [N, T_d] its emitted tokens (`VerifyOutput.emitted_tokens`: token k is exactly draft position k's
+        input), aux_hidden_states the verify step's features (one [N*T_d, H_t] per capture layer).
         """
         num_seqs, num_nodes = tree.tokens.shape
-        device = tree.tokens.device
         nodes = accepted_nodes.long().clamp(min=0)  # [N, T_d]
-        count = num_accepted.long()  # [N]
-        depth = torch.arange(num_nodes, device=device)
-        next_nodes = torch.cat([nodes[:, 1:], nodes[:, :1]], dim=1)  # [N, T_d]: a_{k+1}
-        next_tokens = tree.tokens.gather(1, next_nodes)  # [N, T_d]
-        input_ids = torch.where(depth[None, :] == count[:, None] - 1, bonus.long()[:, None], next_tokens)
-        flat = (torch.arange(num_seqs, device=device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
+        flat = (torch.arange(num_seqs, device=nodes.device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
         features = [aux[flat] for aux in aux_hidden_states]
-        cu = torch.arange(num_seqs + 1, device=device) * num_nodes
-        return self.extend(input_ids.view(-1), features, cu, tree.positions[:, 0], kv, num_nodes, num_valid=count)
+        input_ids = emitted.clamp(min=0)  # [N, T_d]: the -1 padding becomes a token id the padding rows ignore
+        return self.extend_rows(input_ids, features, tree.positions[:, 0], kv, num_accepted)
 
     def draft_tree(
         self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV

@@ -102,7 +102,7 @@ class SpecHarness:
         for seq, row in zip(self.outputs, out.emitted_tokens(tree).tolist(), strict=True):
             seq += [t for t in row if t >= 0]
         self.last_hidden = self.drafter.extend_after_verify(
-            tree, out.accepted_nodes, out.num_accepted, out.bonus, out.aux_hidden_states, self.kv
+            tree, out.accepted_nodes, out.num_accepted, out.emitted_tokens(tree), out.aux_hidden_states, self.kv
         )
         self.roots = out.bonus
         return tree, out
@@ -227,3 +227,42 @@ def test_drafter_rejects_impossible_tree_sizes(models):
         Drafter(draft, topk=2, num_steps=2, num_draft_tokens=8)  # at most 1 + 2 + 4
     with pytest.raises(ValueError, match="topk"):
         Drafter(draft, topk=0, num_steps=2, num_draft_tokens=2)
+
+
+def test_extend_rows_equals_extend(models):
+    """The equal-width catch-up (verify steps, flushes of missed positions) stores and returns what `extend` does
+    with the same rows as cu_seqlens: rows with 4, 2 and 0 valid tokens after prefixes of 0, 5 and 3 positions, the
+    draft cache compared bit for bit (NaN where nothing was written)."""
+    target, draft = models
+    num_seqs, width = 3, 4
+    cache = StaticCache(target, num_seqs, MAX_TOKENS, PAGE)
+    kv = DraftKV(cache.block_tables, PAGE)
+    attn = draft.midlayer.self_attn
+    shape = (1 + num_seqs * cache.pages_per_seq, PAGE, attn.num_kv_heads, attn.head_dim)
+    gen = torch.Generator().manual_seed(7)
+
+    def tokens_and_features(n):
+        ids = torch.randint(0, 259, (n,), generator=gen)
+        return ids, [torch.randn(n, target.config.hidden_size, generator=gen) for _ in draft.capture_layers]
+
+    starts, valid = torch.tensor([0, 5, 3]), torch.tensor([4, 2, 0])
+    prefix_ids, prefix_features = tokens_and_features(int(starts.sum()))
+    prefix_cu = torch.cat([torch.zeros(1, dtype=torch.long), starts.cumsum(0)])
+    ids, features = tokens_and_features(num_seqs * width)
+    drafter = Drafter(draft, 1, 3, 4)
+    results = []
+    for rows in (False, True):
+        k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+        draft.bind_cache(k_cache, v_cache)
+        drafter.extend(prefix_ids, prefix_features, prefix_cu, torch.zeros(num_seqs, dtype=torch.long), kv, 5)
+        if rows:
+            out = drafter.extend_rows(ids.view(num_seqs, width), features, starts, kv, valid)
+        else:
+            cu = torch.arange(num_seqs + 1) * width
+            out = drafter.extend(ids, features, cu, starts, kv, width, num_valid=valid)
+        results.append((out, k_cache, v_cache))
+    (want, k_want, v_want), (got, k_got, v_got) = results
+    assert torch.isfinite(got[:2]).all() and torch.equal(got[:2], want[:2])  # row 2 stored nothing: no output
+    assert torch.equal(k_got.nan_to_num(7.0), k_want.nan_to_num(7.0))
+    assert torch.equal(v_got.nan_to_num(7.0), v_want.nan_to_num(7.0))
+    assert not torch.isnan(k_got).all() and torch.isnan(k_got).any()

@@ -77,7 +77,8 @@ class Drafter:
         num_valid: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append draft positions to the draft cache (after a target prefill chunk, or after verification).
+        """Append draft positions to the draft cache (after a target prefill chunk; rows of equal width, as after a
+        verify step, take `extend_rows`).
 
         input_ids [T] (token t + 1 for draft position t), aux_hidden_states the target's features at those positions
         (one [T, H_t] per `draft.capture_layers`), cu_seqlens [N+1], start_positions [N] (draft position of each

@@ -74,34 +74,29 @@ class Drafter:
         start_positions: torch.Tensor,
         kv: DraftKV,
         max_seqlen_q: int,
-        num_valid: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append draft positions to the draft cache (after a target prefill chunk; rows of equal width, as after a
-        verify step, take `extend_rows`).
+        """Append draft positions to the draft cache after a target prefill chunk (rows of equal width with padding,
+        as after a verify step, take `extend_rows`).
 
         input_ids [T] (token t + 1 for draft position t), aux_hidden_states the target's features at those positions
         (one [T, H_t] per `draft.capture_layers`), cu_seqlens [N+1], start_positions [N] (draft position of each
-        sequence's first new token), num_valid [N] (only the first num_valid tokens of a sequence are stored and
-        count; default all), input_embeds [T, H] the embeddings of `input_ids` where they are not the draft's own (a VLM
-        prompt's image rows; default: embed `input_ids`). Returns the draft output at each sequence's last valid token
-        [N, H]: what `draft_tree` expands.
+        sequence's first new token), input_embeds [T, H] the embeddings of `input_ids` where they are not the draft's
+        own (a VLM prompt's image rows; default: embed `input_ids`). Returns the draft output at each sequence's last
+        token [N, H]: what `draft_tree` expands.
         """
         device = input_ids.device
         num_tokens = input_ids.shape[0]
         cu = cu_seqlens.to(device, torch.long)
         lens = cu[1:] - cu[:-1]  # [N]
         owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=num_tokens)
-        offset = torch.arange(num_tokens, device=device) - cu[owner]  # [T]
         starts = start_positions.to(device, torch.long)
-        valid = lens if num_valid is None else num_valid.to(device, torch.long)  # [N]
-        # Padding tokens (offset ≥ valid) take their row's last valid position, so their RoPE and page lookups stay
-        # inside what the sequence holds; they write nothing, and causality hides them from the valid tokens.
-        positions = starts[owner] + torch.minimum(offset, (valid[owner] - 1).clamp(min=0))  # [T]
-        slots = torch.where(offset < valid[owner], kv.slots(owner, positions), -1)  # padding writes nothing
-        fb = self._prefill_batch(positions, cu, starts + lens, slots, kv.block_tables, max_seqlen_q)
+        positions = starts[owner] + torch.arange(num_tokens, device=device) - cu[owner]  # [T]
+        fb = self._prefill_batch(
+            positions, cu, starts + lens, kv.slots(owner, positions), kv.block_tables, max_seqlen_q
+        )
         hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb, input_embeds)  # [T, H]
-        return hidden[cu[:-1] + valid - 1]
+        return hidden[cu[1:] - 1]
 
     def extend_rows(
         self,
@@ -121,7 +116,8 @@ class Drafter:
         offset = torch.arange(width, device=device)  # [C]
         last = (num_valid.long() - 1).clamp(min=0)  # [N]: each row's last valid offset
         starts = start_positions.long()  # [N]
-        # As in `extend`: padding tokens take their row's last valid position and write nothing.
+        # Padding tokens (offset ≥ num_valid) take their row's last valid position, so their RoPE and page lookups stay
+        # inside what the sequence holds; they write nothing, and causality hides them from the valid tokens.
         positions = starts[:, None] + torch.minimum(offset[None, :], last[:, None])  # [N, C]
         rows = torch.arange(num_seqs, device=device)  # [N]
         stored = offset[None, :] < num_valid[:, None]  # [N, C]

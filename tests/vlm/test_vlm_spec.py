@@ -22,9 +22,9 @@ def test_draft_sees_image_embeddings_and_speculation_is_exact(vlm_checkpoint, tm
     seen = []
     extend = Drafter.extend
 
-    def spy(self, input_ids, aux, cu, starts, kv, max_seqlen_q, num_valid=None, input_embeds=None):
+    def spy(self, input_ids, aux, cu, starts, kv, max_seqlen_q, input_embeds=None):
         seen.append((starts.tolist(), input_ids.clone(), None if input_embeds is None else input_embeds.clone()))
-        return extend(self, input_ids, aux, cu, starts, kv, max_seqlen_q, num_valid, input_embeds)
+        return extend(self, input_ids, aux, cu, starts, kv, max_seqlen_q, input_embeds)
 
     monkeypatch.setattr(Drafter, "extend", spy)
     fresh = ImageInputs(images.pixel_values, images.positions, images.num_images)

@@ -1,0 +1,125 @@
+"""The glue of a VERIFY step: the kernel-launching torch ops outside the target and draft forwards and the commit,
+counted on the CPU with the default model and its draft (fp32, reference backend, chain shape 0, the graph-free path)
+and grouped by part: the batch, K/V metadata, logits, acceptance, emitted tokens, the draft's catch-up and its feature
+projection. Each is one small kernel in the verify CUDA graph, so the count is what the glue's launches cost in
+kernels. There is no roofline: a count, not a time. One JSON line per (batch size, part) with --json.
+Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from jetserve.assets import resolve_checkpoint
+from jetserve.llm import LLM
+from jetserve.sampling_params import SamplingParams
+from jetserve.spec import verifier as verifier_module
+from jetserve.spec.verifier import VerifyOutput
+
+# aten ops that launch no kernel of their own (views, metadata, dtype no-ops) or only dispatch to others
+NON_KERNELS = {
+    "aten::" + name
+    for name in (
+        "view as_strided empty empty_strided detach alias lift_fresh unsqueeze squeeze expand slice select t "
+        "transpose permute reshape _reshape_alias resolve_conj resolve_neg result_type unbind split chunk "
+        "narrow split_with_sizes _unsafe_view contiguous flatten unflatten view_as empty_like resize_ "
+        "_local_scalar_dense item expand_as broadcast_tensors is_nonzero new_empty new_empty_strided to "
+        "_to_copy zeros_like scalar_tensor lift is_same_size size stride numel dim"
+    ).split()
+}
+LEFT_OUT = ("target forward", "draft forward", "commit")
+
+
+def _labelled(obj: object, name: str, label: str) -> None:
+    """Run `obj.name` inside a profiler range called `label`."""
+    method = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return method(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
+def _part(event, labels: set[str]) -> str | None:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in labels:
+            return parent.name
+        parent = parent.cpu_parent
+    return None
+
+
+def count_glue(batch_size: int) -> dict[str, collections.Counter]:
+    """{part: Counter of aten op → launches} for one chain verify step of `batch_size` greedy sequences."""
+    llm = LLM(model=resolve_checkpoint("default", "model"), draft=resolve_checkpoint("default", "draft"), device="cpu",
+              dtype="float32", max_num_seqs=max(batch_size, 2), max_model_len=1024)  # fmt: skip
+    engine, spec = llm.engine, llm.engine.spec
+    spec.policy.forced_option = 0  # always verify with shape 0
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"r{i}", list(range(1 + i, 30 + i)), params)
+    for _ in range(4):
+        engine.step()
+    parts = {
+        (spec.verifier.model, "forward"): "target forward",
+        (spec.draft, "forward"): "draft forward",
+        (spec.verifier.model, "commit_verified"): "commit",
+        (spec.verifier, "forward_batch"): "batch",
+        (spec.runner, "verify_kv_metadata"): "K/V metadata",
+        (spec.verifier.model, "compute_logits"): "logits",
+        (spec.drafters[0], "extend_after_verify"): "draft catch-up",
+        (spec.draft, "project_features"): "feature projection",
+        (VerifyOutput, "emitted_tokens"): "emitted tokens",
+    }
+    for (obj, name), label in parts.items():
+        _labelled(obj, name, label)
+    for name in ("chain_accept_greedy", "tree_accept_greedy"):
+        _labelled(verifier_module, name, "acceptance")
+    labels = set(parts.values()) | {"acceptance"}
+    seqs = list(engine.scheduler.running)
+    host = np.array([[s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs]])
+    roots, prefix, slots = torch.from_numpy(host)
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    with torch.inference_mode():
+        tree = spec.draft_tree(0, roots, prefix, slots)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            spec.verify(0, tree, prefix, slots, None)
+    for event in prof.events():
+        if not event.name.startswith("aten::") or event.name in NON_KERNELS:
+            continue
+        if any(c.name.startswith("aten::") and c.name not in NON_KERNELS for c in event.cpu_children):
+            continue  # counted at its leaves
+        counts[_part(event, labels) or "verify (rest)"][event.name[len("aten::") :]] += 1
+    return counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1")
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    out = open(args.json, "a") if args.json else None
+    for batch_size in map(int, args.batch_sizes.split(",")):
+        counts = count_glue(batch_size)
+        glue = {part: c for part, c in counts.items() if part not in LEFT_OUT}
+        total = sum(sum(c.values()) for c in glue.values())
+        print(f"\nbatch {batch_size}: {total} kernel-launching ops of glue (left out: " +
+              ", ".join(f"{part} {sum(counts[part].values())}" for part in LEFT_OUT) + ")")  # fmt: skip
+        print(f"{'part':20s} {'ops':>4s}  most frequent")
+        for part, c in sorted(glue.items(), key=lambda kv: -sum(kv[1].values())):
+            print(f"{part:20s} {sum(c.values()):4d}  " + ", ".join(f"{op}×{n}" for op, n in c.most_common(8)))
+            if out:
+                row = {"batch_size": batch_size, "part": part, "ops": sum(c.values()), "by_op": dict(c)}
+                out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,11 @@
 """Tile sweeps behind two fixed heuristics, at the 2B/4B decode shapes: the dynamic-conv decode kernel's tiles
 (`decode_tiles_for`, N = 1 and 16 by default) and the skinny GEMM's tilings (`choose_tiling`; one row by default, or
-any number of rows against today's dispatch, cuBLAS past GEMV_MAX_ROWS) in the modes the model runs them (fused input
-projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights rotate through
-copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call (median of
-CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline: the bytes a
-call must move over that bandwidth), its error against the reference, and which tiling the heuristic picks now. One JSON
-line per tiling with --json FILE.
+any number of rows against today's dispatch, cuBLAS past `ops.linear`'s row limits) in the modes the model runs them
+(fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
+rotate through copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call
+(median of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline:
+the bytes a call must move over that bandwidth), its error against the reference, and which tiling the heuristic
+picks now. One JSON line per tiling with --json FILE.
 Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm] [--rows 1,32,64] [--conv-rows 1,16,64] [--json FILE]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
 """
@@ -101,7 +101,8 @@ def gemm_cases(
     s, dtype: torch.dtype, device: str, smoke: bool, rows: int = 1
 ) -> list[tuple[str, list, Callable, object]]:
     """The four decode GEMMs of a JetBlock layer for `rows` rows of x, each in its model mode. The untiled row is the
-    public op (`jetserve.ops.linear`): today's dispatch, the separate prologue kernels and cuBLAS past GEMV_MAX_ROWS."""
+    public op (`jetserve.ops.linear`): today's dispatch (past its row limits, the separate prologue kernel and
+    cuBLAS)."""
     from jetserve.ops import linear as public
     from jetserve.ops.linear import kernels, reference
 
@@ -140,9 +141,8 @@ def gemm_cases(
             ms = time_ms(lambda: [call(module, w, kw) for w in weights], device)
             return ms / 1e3 / len(weights), err, nbytes
 
-        picked = (
-            "cuBLAS" if rows > public.GEMV_MAX_ROWS else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
-        )
+        max_rows = public.WIDE_MAX_ROWS if n >= public.WIDE_MIN_N else public.GEMV_MAX_ROWS  # the public op's limit
+        picked = "cuBLAS" if rows > max_rows else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
         cases.append((f"{s.name} {name} {n}x{k} M={rows}", tilings, run, picked))
     return cases
 

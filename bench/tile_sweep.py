@@ -91,7 +91,7 @@ def gemm_tilings(rows: int, smoke: bool) -> list:
     if rows > 1:
         dot = itertools.product((64, 128, 256), (64, 128), (3, 4), (1, 2, 4, 8, 16), (4, 8))
         return [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
-    fma = itertools.product((2, 4, 8), (1024,), (4, 8), (1, 2), (1, 2, 3, 4))  # sessions 17/18 swept 1 stage only
+    fma = itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8), (1, 2), (1,))  # 2-4 stages: no change (session 20)
     dot = itertools.product((32, 64), (128,), (3, 4), (1, 4, 16))
     tilings = [GemvTiling(1, bn, bk, sp, False, w, st) for bn, bk, w, sp, st in fma]
     return tilings + [GemvTiling(16, bn, bk, sp, True, 4, st) for bn, bk, st, sp in dot]

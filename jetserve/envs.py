@@ -23,3 +23,13 @@ def tp_all_reduce() -> str:
     if value not in ("nccl", "one-shot"):
         raise ValueError(f"JETSERVE_TP_ALL_REDUCE: {value!r} is not one of nccl, one-shot")
     return value
+
+
+def pdl() -> bool:
+    """The decode step's Triton kernels launch with programmatic dependent launch where the GPU has it (Hopper and
+    later: a kernel's programs start while the kernel before it finishes; `jetserve.ops.pdl`); JETSERVE_PDL=0 turns it
+    off."""
+    value = os.environ.get("JETSERVE_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JETSERVE_PDL: {value!r} is not 0 or 1")
+    return value == "1"

@@ -9,6 +9,7 @@ import triton.language as tl
 from jetserve.ops.dynamic_conv.checks import check_decode_args
 from jetserve.ops.dynamic_conv.kernel_generator import decode_tiles_for, dot_precision, kernel_tile
 from jetserve.ops.layout import dense
+from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 
 @triton.jit
@@ -35,7 +36,9 @@ def _decode_kernel(
     BD: tl.constexpr,
     BG: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
+    pdl_enter(PDL)
     # Program (i_n, i_d) owns sequences [i_n*BN, (i_n+1)*BN) and channels [i_d*BD, (i_d+1)*BD): one w2 tile serves BN
     # sequences. Each (slot, channel) belongs to one program, which reads its whole window before it writes any of it.
     i_n = tl.program_id(0)
@@ -86,6 +89,7 @@ def _decode_kernel(
     new = tl.where(from_u[None, :, None], newest.to(conv_state.dtype.element_ty)[:, None, :], shifted)
     tl.debug_barrier()
     tl.store(p_window, new, mask=m_3)
+    pdl_exit(PDL)
 
 
 def dynamic_conv_decode(
@@ -141,5 +145,6 @@ def dynamic_conv_decode(
         DOT_PRECISION=dot_precision(h),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **pdl_launch(u),
     )
     return out

@@ -16,6 +16,7 @@ from jetserve.ops.gated_delta_rule.step import (
     unit_last_stride,
 )
 from jetserve.ops.layout import dense
+from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 
 @triton.jit
@@ -46,7 +47,9 @@ def gated_delta_rule_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     EPS: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
+    pdl_enter(PDL)
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -69,6 +72,7 @@ def gated_delta_rule_decode_kernel(
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
     tl.store(p_s, b_s, mask=m_s)
     tl.store(o + (i_n64 * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    pdl_exit(PDL)
 
 
 def gated_delta_rule_decode(
@@ -135,5 +139,6 @@ def gated_delta_rule_decode(
         BV=BV,
         EPS=L2NORM_EPS,
         num_warps=4,
+        **pdl_launch(q),
     )
     return o

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
+from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
@@ -71,6 +72,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,6 +86,7 @@ def _linear_kernel(
     r_n = tl.minimum(o_n, N - 1).to(tl.int64)
     p_w = w + r_n[:, None] * stride_wn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    pdl_enter(PDL)  # x is the previous kernel's output
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
@@ -124,6 +127,7 @@ def _linear_kernel(
             acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
         p_w += BLOCK_K
         p_x += BLOCK_K
+    pdl_exit(PDL)  # the next kernel's programs may start during this one's epilogue and tail
     if USE_DOT:
         b_y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
@@ -152,7 +156,9 @@ def _split_sum_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     i_m, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -164,6 +170,7 @@ def _split_sum_kernel(
     if HAS_SILU:
         b_y = tl.where(o_n < silu_cols, b_y * tl.sigmoid(b_y), b_y)
     tl.store(y + i_m * N + o_n, b_y.to(y.dtype.element_ty), mask=m_n)
+    pdl_exit(PDL)
 
 
 @functools.cache
@@ -186,6 +193,8 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
       rows (2, so twice the programs) past it. Session 17's sweep at the 2B shapes in the model's modes, weights from
       HBM: the gated-norm o_proj (1536 x 3072) 6.83 → 6.27 µs, the SwiGLU down projection (1536 x 8960) 13.27 →
       11.72 µs; the decode graph at batch 1 1.831 → 1.771 ms. (The 4B shapes follow the rule, not measured.)
+      Session 21 swept 2048-column steps too: faster in the plain mode (o_proj 5.38 → 5.05 µs, down 10.51 → 9.75)
+      but slower in the model's (gated-norm o_proj 5.78 → 6.03, SwiGLU down 11.34 → 12.33), so the rule stayed.
     - K is split (fp32 partials and a second launch) only to give each SM a program, and only into runs of at least
       MIN_TILES_PER_SPLIT tiles: shorter runs lose to their pipeline's start-up and the extra launch.
     - Past 32 rows (a 64-row tile), 64-wide K steps at 4 stages: session 20's sweep at 64 rows (2B, weights from HBM),
@@ -326,6 +335,7 @@ def _launch(
     num_splits = triton.cdiv(num_tiles, tiles_per_split)
     is_split = num_splits > 1
     partial = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=x.device) if is_split else y
+    pdl = pdl_launch(x)
     _linear_kernel[(triton.cdiv(n, t.block_n), num_splits)](
         x,
         weight,
@@ -357,6 +367,7 @@ def _launch(
         BLOCK_K=t.block_k,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
+        **pdl,
     )
     if is_split:
         block_n = min(1024, triton.next_power_of_2(n))
@@ -371,4 +382,5 @@ def _launch(
             HAS_BIAS=bias is not None,
             HAS_SILU=silu_cols > 0,
             BLOCK_N=block_n,
+            **pdl,
         )

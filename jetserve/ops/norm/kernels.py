@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.norm.reference import check_gated_rms_norm, check_rms_norm, check_silu_and_mul
+from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 MAX_BLOCK_D = 32768  # a whole row lives in registers: one pass, no second read of x
 TILE_ELEMENTS = 4096  # rows per program are chosen so a tile holds about this many elements
@@ -29,7 +30,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
+    pdl_enter(PDL)
     i_r = tl.program_id(0)
     o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
@@ -46,6 +49,7 @@ def _rms_norm_kernel(
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = b_w[None, :] * (b_x * b_rstd[:, None])
     tl.store(y + o_r[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_x)
+    pdl_exit(PDL)
 
 
 @triton.jit
@@ -139,6 +143,7 @@ def rms_norm(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=num_warps,
+            **pdl_launch(x),
         )
     return y if h is None else (y, h)
 

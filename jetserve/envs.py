@@ -33,3 +33,12 @@ def pdl() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_PDL: {value!r} is not 0 or 1")
     return value == "1"
+
+
+def fused_mixer() -> bool:
+    """JETSERVE_FUSED_MIXER=1 runs a JetBlock's decode conv and gated delta rule as one Triton launch at batch 1
+    (`jetserve.ops.jet_mixer`). Off by default: not yet measured on a GPU."""
+    value = os.environ.get("JETSERVE_FUSED_MIXER", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JETSERVE_FUSED_MIXER: {value!r} is not 0 or 1")
+    return value == "1"

@@ -9,18 +9,9 @@ from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections
 from jetserve.model.layers import Linear
-from jetserve.ops.dynamic_conv import (
-    dynamic_conv_commit,
-    dynamic_conv_decode,
-    dynamic_conv_prefill,
-    dynamic_conv_verify,
-)
-from jetserve.ops.gated_delta_rule import (
-    gated_delta_rule_commit,
-    gated_delta_rule_decode,
-    gated_delta_rule_prefill,
-    gated_delta_rule_verify,
-)
+from jetserve.ops.dynamic_conv import dynamic_conv_commit, dynamic_conv_prefill, dynamic_conv_verify
+from jetserve.ops.gated_delta_rule import gated_delta_rule_commit, gated_delta_rule_prefill, gated_delta_rule_verify
+from jetserve.ops.jet_mixer import jet_mixer_decode
 
 
 class KernelGenerator(nn.Module):
@@ -98,8 +89,7 @@ class JetBlock(InputProjections, nn.Module):
             v = v.view(T, H, V)  # [T, H, V]
             o = gated_delta_rule_prefill(q, k, v, a, b, *gate_args, *seq_args)  # [T, H, V]
         elif fb.phase is Phase.DECODE:
-            v = dynamic_conv_decode(u, h, *conv_args, fb.state_indices).view(T, H, V)
-            o = gated_delta_rule_decode(q, k, v, a, b, *gate_args, fb.state_indices)
+            o = jet_mixer_decode(u, h, *conv_args, q, k, a, b, *gate_args, fb.state_indices)  # [T, H, V]
         else:
             v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, V)
             o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)

@@ -129,6 +129,39 @@ def test_triton_model_equals_reference_model(tiny_checkpoint):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
 
 
+def test_fused_mixer_decode_in_the_model_equals_the_reference_model(tiny_checkpoint, monkeypatch):
+    """JETSERVE_FUSED_MIXER=1: a lone sequence's decode steps run each JetBlock's conv and gated delta rule as one
+    Triton launch (counted), and the logits equal the reference ops'."""
+    if not envs.triton_interpret():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    from jetserve.ops.jet_mixer import decode as fused
+
+    monkeypatch.setenv("JETSERVE_FUSED_MIXER", "1")
+    calls = []
+    original = fused.jet_mixer_decode
+    monkeypatch.setattr(fused, "jet_mixer_decode", lambda *args, **kw: calls.append(1) or original(*args, **kw))
+    model = load_model(tiny_checkpoint, dtype="float32")
+
+    def run() -> list[torch.Tensor]:
+        cache = StaticCache(model, 1, 64, page_size=8)
+        with torch.inference_mode():
+            out = [model.compute_logits(model(cache.batch([0], [random_tokens(11, 4)])))]
+            out += [model.compute_logits(model(cache.batch([0], [[5 + step]]))) for step in range(3)]
+        return out
+
+    try:
+        set_backend("reference")
+        want = run()
+        set_backend("triton")
+        got = run()
+    finally:
+        set_backend(None)
+    jet_layers = sum(layer.kind == "jet" for layer in model.model.layers)
+    assert jet_layers > 0 and len(calls) == 3 * jet_layers
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+
+
 def test_fusing_twice_changes_nothing(tiny_checkpoint):
     model = load_model(tiny_checkpoint, dtype="float32")
     before = [m.fused_input for m in groups(model)]

@@ -1,0 +1,45 @@
+"""The JetBlock mixer's decode core as the two reference ops it fuses: the dynamic conv of the values, then the gated
+delta rule over them. The contract of `jet_mixer_decode` (and of its Triton variant)."""
+
+from __future__ import annotations
+
+import torch
+
+from jetserve.ops.dynamic_conv import reference as conv
+from jetserve.ops.gated_delta_rule import reference as delta
+
+
+def check_mixer_args(u: torch.Tensor, q: torch.Tensor, k: torch.Tensor, state: torch.Tensor) -> tuple[int, int]:
+    """(H, V) of a mixer decode call; u [N, H*V] must cover the heads the state holds."""
+    num_rows, num_heads = q.shape[0], q.shape[1]
+    head_v = state.shape[-1]
+    if u.dim() != 2 or u.shape != (num_rows, num_heads * head_v):
+        raise ValueError(f"jet_mixer_decode: u {tuple(u.shape)} must be [{num_rows}, {num_heads} * {head_v}]")
+    if k.shape != q.shape:
+        raise ValueError(f"jet_mixer_decode: q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+    return num_heads, head_v
+
+
+def jet_mixer_decode(
+    u: torch.Tensor,
+    h: torch.Tensor,
+    w2_weight: torch.Tensor,
+    w2_bias: torch.Tensor,
+    conv_state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One token per sequence: `v = dynamic_conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)` (the
+    window shifted in place; v rounded to u.dtype) viewed as [N, H, V], then `gated_delta_rule_decode(q, k, v, a, b,
+    A_log, dt_bias, state, state_indices, scale)` (the state advanced in place). Returns o [N, H, V] in u.dtype."""
+    num_heads, head_v = check_mixer_args(u, q, k, state)
+    v = conv.dynamic_conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)  # [N, H*V]
+    v = v.view(u.shape[0], num_heads, head_v)  # [N, H, V]
+    return delta.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)

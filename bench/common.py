@@ -24,6 +24,7 @@ from jetserve.ops.attention import (  # noqa: E402
     kv_cache_commit,
     rope_cos_sin,
 )
+from jetserve.ops.backend import use_triton  # noqa: E402
 from jetserve.ops.dynamic_conv import (  # noqa: E402
     dynamic_conv_commit,
     dynamic_conv_decode,
@@ -36,6 +37,8 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
+from jetserve.ops.jet_mixer import decode as fused_mixer  # noqa: E402
+from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import sample  # noqa: E402
@@ -156,6 +159,37 @@ def conv_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, no
     # Reads the accepted inputs and the old rows the new window keeps, writes the window.
     read_rows = n * (count + max(0, W - 1 - count))
     return lambda: dynamic_conv_commit(u, state, idx, accepted, num), read_rows * _nbytes(u[0]) + window_bytes, 0
+
+
+def mixer_case(s: Shapes, dtype: torch.dtype, device: str, n: int, fused: bool) -> Case:
+    """A JetBlock's decode conv and gated delta rule for n sequences: the fused kernel (`ops.jet_mixer`), or the two
+    public ops one after the other. w2 rotates through copies past 4x the L2 on a GPU (in a decode step it comes from
+    HBM; a single copy would be read from L2 here); one call runs every copy once."""
+    D, G, W, H, K, V = s.channels, s.generator, s.conv, s.jet_heads, s.key_dim, s.value_dim
+    w2_bytes = D * W * G * dtype.itemsize
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 0
+    copies = max(1, -(-4 * l2 // w2_bytes))
+    w2s = [_randn(D * W, G, dtype=dtype, device=device, scale=G**-0.5) for _ in range(copies)]
+    bias = _randn(D * W, dtype=dtype, device=device, scale=0.1)
+    conv_state = _randn(n + 1, W - 1, D, dtype=dtype, device=device)
+    state = _randn(n + 1, H, K, V, dtype=torch.float32, device=device, scale=0.1)
+    u, h = _randn(n, D, dtype=dtype, device=device), _randn(n, G, dtype=dtype, device=device)
+    q, k = _randn(n, H, K, dtype=dtype, device=device), _randn(n, H, K, dtype=dtype, device=device)
+    a, b = _randn(n, H, dtype=dtype, device=device), _randn(n, H, dtype=dtype, device=device)
+    A_log = torch.empty(H, device=device).uniform_(0, 2.7)
+    dt_bias = torch.empty(H, device=device).uniform_(-4, -1)
+    idx = _slots(n, device)
+    mixer = fused_mixer if use_triton(u) else reference_mixer  # the smoke run: the reference backend
+
+    def one(w2: torch.Tensor) -> torch.Tensor:
+        if fused:
+            return mixer.jet_mixer_decode(u, h, w2, bias, conv_state, q, k, a, b, A_log, dt_bias, state, idx)
+        v = dynamic_conv_decode(u, h, w2, bias, conv_state, idx).view(n, H, V)
+        return gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, state, idx)
+
+    # per copy: w2 and bias, the inputs and the output, both windows and both states read and written
+    per_call = _nbytes(w2s[0], bias, u, h, q, k, a, b, u) + 2 * _nbytes(conv_state[1:], state[1:])
+    return lambda: [one(w2) for w2 in w2s], copies * per_call, copies * (2 * n * G * D * W + 6 * n * H * K * V)
 
 
 def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
@@ -373,6 +407,10 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
     for n in decode_batches:
         cases[f"dynamic_conv decode N={n}"] = lambda n=n: conv_cases(s, dtype, device, "decode", n)
         cases[f"gated_delta_rule decode N={n}"] = lambda n=n: gdr_cases(s, dtype, device, "decode", n)
+        if n == 1:  # the fused mixer's only batch size (ops.jet_mixer.FUSED_MAX_ROWS)
+            for fused in (True, False):
+                label = "fused" if fused else "conv then gated_delta_rule"
+                cases[f"jet_mixer decode {label} N=1, w2 from HBM"] = lambda f=fused: mixer_case(s, dtype, device, 1, f)
         cases[f"attention decode N={n} ctx={context}"] = lambda n=n: attention_cases(
             s, dtype, device, "decode", n, context
         )

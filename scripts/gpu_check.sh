@@ -2,10 +2,12 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,linear,tiles,long,tp (default: the first four);
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,linear,tiles,long,tp,mixer (default: the first
+#   four);
 #   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
-#   for the 64K prompt plus its output and catch-up steps)
+#   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
+#   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
 # Each stage fits one 10-minute call: e.g. `bash scripts/gpu_check.sh $OUT tests`, then `... memcheck,kernels`, then
 # `... offline`.
@@ -87,4 +89,17 @@ case ",$STAGES," in *,linear,*)
   run bench_linear python3 bench/linear.py --json "$OUT_DIR/linear.jsonl" ;; esac
 case ",$STAGES," in *,tiles,*)  # the sweeps behind the conv decode tiles and the one-row GEMM tilings
   run bench_tile_sweep python3 bench/tile_sweep.py --models 2b,4b --json "$OUT_DIR/tile_sweep.jsonl" ;; esac
+case ",$STAGES," in *,mixer,*)
+  run gpu_tests_mixer "${PYTEST[@]}" tests/ops/test_jet_mixer.py
+  run bench_mixer python3 bench/kernels.py --models 2b,4b --only jet_mixer --json "$OUT_DIR/kernels.jsonl"
+  OFFLINE=(python3 -m jetserve.cli bench offline --config 2b --batch-sizes 1 --input-len 4096 --output-len 64 --json)
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    CUDA_VISIBLE_DEVICES=0 JETSERVE_FUSED_MIXER=1 run bench_mixer_on "${OFFLINE[@]}" &
+    on_lane=$!
+    CUDA_VISIBLE_DEVICES=1 JETSERVE_FUSED_MIXER=0 run bench_mixer_off "${OFFLINE[@]}"
+    wait $on_lane || status=1
+  else
+    JETSERVE_FUSED_MIXER=1 run bench_mixer_on "${OFFLINE[@]}"
+    JETSERVE_FUSED_MIXER=0 run bench_mixer_off "${OFFLINE[@]}"
+  fi ;; esac
 exit $status

@@ -89,7 +89,8 @@ def gemm_tilings(rows: int, smoke: bool) -> list:
     if smoke:
         return [GemvTiling(1, 4, 64, 1, False, 8, 1)] * (rows == 1) + [GemvTiling(block_m, 32, 32, 2, True, 4, 2)]
     if rows > 1:
-        dot = itertools.product((64, 128, 256), (64, 128), (3, 4), (1, 2, 4, 8, 16), (4, 8))
+        # narrow weight tiles (16, 32: more programs on a narrow N without splitting K) were not swept before session 21
+        dot = itertools.product((16, 32, 64, 128, 256), (64, 128), (3, 4), (1, 2, 4, 8, 16), (4, 8))
         return [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
     fma = itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8), (1, 2), (1,))  # 2-4 stages: no change (session 20)
     dot = itertools.product((32, 64), (128,), (3, 4), (1, 4, 16))

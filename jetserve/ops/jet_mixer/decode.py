@@ -84,19 +84,22 @@ def _jet_mixer_decode_kernel(
         a + i_n64 * stride_a_n + i_h, b + i_n64 * stride_b_n + i_h, tl.load(A_log + i_h), tl.load(dt_bias + i_h)
     )
 
-    # κ [BV, WT] in fp32: w2 row c*W + j times h, over G in BG steps (taps j >= W are 0)
+    # κ [BV, WT] in fp32: w2 row c*W + j times h, over G in BG steps (taps j >= W are 0); offsets from the tile's
+    # first row fit 32 bits, and each step is reduced at once (a [BV, WT, BG] accumulator cost ~230 registers)
     o_j = tl.arange(0, WT)
     m_cj = m_v[:, None] & (o_j < W)[None, :]
-    w_rows = (o_c[:, None] * W + o_j[None, :]).to(tl.int64)  # [BV, WT]
-    acc = tl.zeros((BV, WT, BG), dtype=tl.float32)
+    p_w2 = w2_weight + (i_h * V + i_v * BV).to(tl.int64) * W * num_g  # row c*W of the tile's first channel
+    o_w = (tl.arange(0, BV)[:, None] * W + o_j[None, :]) * num_g  # [BV, WT]
+    kappa = tl.zeros((BV, WT), dtype=tl.float32)
     for g0 in range(0, num_g, BG):
         o_g = g0 + tl.arange(0, BG)
         m_g = o_g < num_g
         b_h = tl.load(h + i_n64 * stride_h + o_g, mask=m_g, other=0.0).to(tl.float32)  # [BG]
-        p_w = w2_weight + w_rows[:, :, None] * num_g + o_g[None, None, :]
-        b_w = tl.load(p_w, mask=m_cj[:, :, None] & m_g[None, None, :], other=0.0).to(tl.float32)  # [BV, WT, BG]
-        acc += b_w * b_h[None, None, :]
-    kappa = tl.sum(acc, axis=2) + tl.load(w2_bias + w_rows, mask=m_cj, other=0.0).to(tl.float32)  # [BV, WT]
+        m_w = m_cj[:, :, None] & m_g[None, None, :]
+        b_w = tl.load(p_w2 + o_w[:, :, None] + o_g[None, None, :], mask=m_w, other=0.0)  # [BV, WT, BG]
+        kappa += tl.sum(b_w.to(tl.float32) * b_h[None, None, :], axis=2)  # [BV, WT]
+    w_rows = (o_c[:, None] * W + o_j[None, :]).to(tl.int64)  # [BV, WT]
+    kappa += tl.load(w2_bias + w_rows, mask=m_cj, other=0.0).to(tl.float32)
 
     # The conv over (window rows 0..W-2, u); its output rounded to u's dtype, as the conv op returns it.
     p_win = conv_state + slot * stride_slot + o_c  # [BV]: row 0 of the window

@@ -1,0 +1,131 @@
+"""Registers, spills and shared memory of the decode step's Triton kernels at the 2B shapes, compiled for an H100/H200
+(sm_90) on any machine: Triton compiles for a named target without a GPU, and its bundled `ptxas -v` reports what one
+thread of each kernel holds. No GPU, no timing: it answers "does this tiling spill, and how many programs fit on an
+SM" before device time is spent. Arguments are assumed aligned as Triton specializes them at launch (`divisibility`);
+the GPU machine's Triton (3.6) may differ from this one's. One JSON line per kernel with --json FILE.
+Usage: python bench/registers.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from jetserve.ops.dynamic_conv.decode import _decode_kernel as conv_decode  # noqa: E402
+from jetserve.ops.gated_delta_rule.decode import gated_delta_rule_decode_kernel as gdr_decode  # noqa: E402
+from jetserve.ops.jet_mixer.decode import _jet_mixer_decode_kernel as jet_mixer  # noqa: E402
+from jetserve.ops.linear.kernels import _linear_kernel as linear  # noqa: E402
+from jetserve.ops.norm.kernels import _rms_norm_kernel as rms_norm  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+REGISTERS_PER_SM = 65536
+
+
+def argument_types(fn, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dict[str, str]:
+    """Each argument's type: constexpr, the pointer type given, fp32 for `floats`, else i32 (sizes and strides)."""
+    return {
+        name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
+        for name in fn.arg_names
+    }
+
+
+def divisibility(fn, types: dict[str, str], unaligned: tuple[str, ...] = ()) -> dict:
+    """Triton's launch-time specialization, assumed: every pointer 16-byte aligned and every integer argument (sizes,
+    strides) a multiple of 16, except those named. Without it the compiler assumes 2-byte loads and pipelines
+    nothing (no cp.async), so registers and shared memory would not be the GPU's."""
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if types[name] not in ("constexpr", "fp32") and name not in unaligned
+    }
+
+
+def ptxas_info(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """{registers, spill_bytes, shared_bytes, programs_per_sm} of `fn` compiled for sm_90 with these constexprs."""
+    source = ASTSource(fn, types, constexprs=constexprs, attrs=divisibility(fn, types))
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    programs = REGISTERS_PER_SM // max(1, registers * 32 * num_warps)
+    return {"registers": registers, "spill_bytes": spills, "shared_bytes": compiled.metadata.shared,
+            "programs_per_sm": programs}  # fmt: skip
+
+
+def cases() -> list[tuple[str, object, dict, dict, int, int]]:
+    """(name, kernel, argument types, constexprs, warps, stages) at the 2B decode shapes, with the tiles the
+    wrappers pick on an H200."""
+    bf16 = "*bf16"
+    out = []
+    for label, block_n, block_k, warps, norm_head, gated in [
+        ("linear one-row FMA, o_proj gated norm (1536 x 3072)", 4, 1024, 8, 256, False),
+        ("linear one-row FMA, down SwiGLU (1536 x 8960)", 2, 1024, 4, 0, True),
+    ]:
+        consts = dict(HAS_BIAS=False, HAS_SILU=False, GATED=gated, NORM_HEAD=norm_head, IS_SPLIT=False, USE_DOT=False,
+                      EVEN_M=True, EVEN_K=False, INPUT_PRECISION="tf32", BLOCK_M=1, BLOCK_N=block_n,
+                      BLOCK_K=block_k, PDL=True)  # fmt: skip
+        ptrs = {n: bf16 for n in ("x", "w", "bias", "y", "gate", "norm_w")} | {"partial": "*fp32"}
+        out.append((label, linear, argument_types(linear, consts, ptrs, ("eps",)), consts, warps, 1))
+    consts = dict(HAS_BIAS=False, HAS_SILU=True, GATED=False, NORM_HEAD=0, IS_SPLIT=False, USE_DOT=True, EVEN_M=False,
+                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True)  # fmt: skip
+    ptrs = {n: bf16 for n in ("x", "w", "bias", "y", "gate", "norm_w")} | {"partial": "*fp32"}
+    out.append(("linear tensor-core, fused input (8856 x 1536)", linear, argument_types(linear, consts, ptrs, ("eps",)),
+                consts, 4, 4))  # fmt: skip
+    consts = dict(HAS_RESIDUAL=True, BLOCK_R=2, BLOCK_D=2048, PDL=True)
+    ptrs = {n: bf16 for n in ("x", "r", "w", "y", "h")}
+    out.append(
+        ("rms_norm with residual, 1 row", rms_norm, argument_types(rms_norm, consts, ptrs, ("eps",)), consts, 4, 3)
+    )
+    consts = dict(W=4, WP=4, WT=4, BN=16, BD=8, BG=128, DOT_PRECISION="tf32", PDL=True)
+    ptrs = {n: bf16 for n in ("u", "h", "w2_weight", "w2_bias", "conv_state", "out")} | {"state_indices": "*i32"}
+    out.append(
+        ("dynamic_conv decode, up to 16 rows", conv_decode, argument_types(conv_decode, consts, ptrs), consts, 2, 3)
+    )
+    consts = dict(H=12, K=96, V=256, BK=128, BV=32, EPS=1e-6, PDL=True)
+    ptrs = {n: bf16 for n in ("q", "k", "v", "a", "b", "o")}
+    ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}
+    out.append(("gated_delta_rule decode, BV 32", gdr_decode, argument_types(gdr_decode, consts, ptrs, ("scale",)),
+                consts, 4, 3))  # fmt: skip
+    consts = dict(H=12, K=96, V=256, W=4, WT=4, WP=4, BK=128, BV=8, BG=128, EPS=1e-6, PDL=True)
+    ptrs = {n: bf16 for n in ("u", "h", "w2_weight", "w2_bias", "conv_state", "q", "k", "a", "b", "o")}
+    ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}
+    out.append(("jet_mixer decode (fused), 1 row", jet_mixer, argument_types(jet_mixer, consts, ptrs, ("scale",)),
+                consts, 2, 3))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json")
+    args = p.parse_args()
+    out = open(args.json, "a") if args.json else None
+    print(f"{'kernel':56} {'warps':>5} {'regs':>5} {'spill B':>8} {'smem B':>7} {'progs/SM':>8}")
+    for name, fn, types, consts, warps, stages in cases():
+        info = ptxas_info(fn, types, consts, warps, stages)
+        print(f"{name:56} {warps:5d} {info['registers']:5d} {info['spill_bytes']:8d} {info['shared_bytes']:7d} "
+              f"{info['programs_per_sm']:8d}")  # fmt: skip
+        if out:
+            out.write(json.dumps({"kernel": name, "target": "sm_90", "num_warps": warps, **info}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,8 @@
 #   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
 #   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
+# The compiled Triton kernels come back as OUT_DIR/triton-cache.tar.gz: put it in the ignored .gpu-cache/ and carry
+# ".gpu-cache" too, and the next call (a fresh machine) starts without recompiling (scripts/triton_cache.sh).
 # Each stage fits one 10-minute call: e.g. `bash scripts/gpu_check.sh $OUT tests`, then `... memcheck,kernels`, then
 # `... offline`.
 set -uo pipefail
@@ -19,6 +21,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 source scripts/carried_wheels.sh
 install_carried_wheels || exit 1
+source scripts/triton_cache.sh
+restore_triton_cache .gpu-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT_DIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT_DIR/gpu.txt"
 status=0
@@ -102,4 +106,5 @@ case ",$STAGES," in *,mixer,*)
     JETSERVE_FUSED_MIXER=1 run bench_mixer_on "${OFFLINE[@]}"
     JETSERVE_FUSED_MIXER=0 run bench_mixer_off "${OFFLINE[@]}"
   fi ;; esac
+save_triton_cache "$OUT_DIR"
 exit $status

@@ -518,11 +518,12 @@ class SpecDecoder:
         int64: the emitted tokens (accepted drafts then the bonus, -1 after), the accepted node count (root
         included) and the tree's depth, per sequence — read with one host transfer."""
         fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata)
-        out = self.verifier.verify(fb, tree, sampling, is_chain=self.shapes[shape].topk == 1)
+        is_chain = self.shapes[shape].topk == 1
+        out = self.verifier.verify(fb, tree, sampling, is_chain=is_chain)
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
         emitted = out.emitted_tokens(tree)  # [N, T_d]
         hidden = self.drafters[shape].extend_after_verify(
-            tree, out.accepted_nodes, out.num_accepted, emitted, out.aux_hidden_states, kv
+            tree, out.accepted_nodes, out.num_accepted, emitted, out.aux_hidden_states, kv, is_chain=is_chain
         )  # [N, H]
         self.last_hidden[slots] = hidden
         depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]

@@ -135,6 +135,7 @@ class Drafter:
         emitted: torch.Tensor,
         aux_hidden_states: list[torch.Tensor],
         kv: DraftKV,
+        is_chain: bool = False,
     ) -> torch.Tensor:
         """Catch up on a verify step: accepted nodes a_0 (the root) .. a_{m-1} become draft positions
         root position + [0, m) with inputs (token of a_{k+1}, or the bonus for the last; the target's feature at a_k).
@@ -142,12 +143,17 @@ class Drafter:
 
         tree the verified DraftTree [N, T_d], accepted_nodes [N, T_d] / num_accepted [N] from tree acceptance,
         emitted [N, T_d] its emitted tokens (`VerifyOutput.emitted_tokens`: token k is exactly draft position k's
-        input), aux_hidden_states the verify step's features (one [N*T_d, H_t] per capture layer).
+        input), aux_hidden_states the verify step's features (one [N*T_d, H_t] per capture layer). `is_chain`: every
+        tree is a chain (topk = 1), whose accepted path is always nodes 0 .. m-1, so the features are taken as they
+        are instead of gathered (the padding tokens past m see other features, and are neither stored nor read).
         """
         num_seqs, num_nodes = tree.tokens.shape
-        nodes = accepted_nodes.long().clamp(min=0)  # [N, T_d]
-        flat = (torch.arange(num_seqs, device=nodes.device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
-        features = [aux[flat] for aux in aux_hidden_states]
+        if is_chain:
+            features = list(aux_hidden_states)
+        else:
+            nodes = accepted_nodes.long().clamp(min=0)  # [N, T_d]
+            flat = (torch.arange(num_seqs, device=nodes.device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
+            features = [aux[flat] for aux in aux_hidden_states]
         input_ids = emitted.clamp(min=0)  # [N, T_d]: the -1 padding becomes a token id the padding rows ignore
         return self.extend_rows(input_ids, features, tree.positions[:, 0], kv, num_accepted)
 

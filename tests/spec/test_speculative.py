@@ -229,6 +229,50 @@ def test_drafter_rejects_impossible_tree_sizes(models):
         Drafter(draft, topk=0, num_steps=2, num_draft_tokens=2)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chain_catch_up_takes_the_features_as_they_are(models, sampled):
+    """For chains the catch-up skips the gather of the accepted nodes' features (the accepted path is always nodes
+    0 .. m-1): the same outputs and the same draft cache as the gathered path, over forced rounds that accept 0, all
+    and some drafts per sequence, greedily and by sampling."""
+    target, draft = models
+    vocab = target.config.vocab_size
+    prompts = _prompts([6, 13, 2], seed=3)
+    expected = _plain_greedy(target, prompts, 40)
+    spec = SpecHarness(target, draft, prompts, 1, 4, 5)
+    sampling = None
+    if sampled:
+        n = spec.num_seqs
+        sampling = SamplingRows(temperature=torch.full((n,), 0.8), top_k=torch.zeros(n, dtype=torch.int32),
+                                top_p=torch.ones(n), min_p=torch.zeros(n), seeds=torch.arange(n, dtype=torch.int64),
+                                counters=torch.zeros(n, dtype=torch.int64))  # fmt: skip
+    caches = (draft.midlayer.self_attn.k_cache, draft.midlayer.self_attn.v_cache)
+    for pattern in ([0, 4, 2], [4, 0, 1], [1, 1, 4], [2, 4, 0]):
+        offsets = [len(o) - 1 for o in spec.outputs]
+        tree = _forced_tree(spec.roots, expected, offsets, pattern, "chain", spec.prefix_lens(), vocab)
+        fb = spec.verifier.forward_batch(tree, spec.prefix_lens(), spec.state_indices, spec.kv_metadata)
+        out = spec.verifier.verify(fb, tree, sampling, is_chain=not sampled)
+        if not sampled:
+            assert out.num_accepted.tolist() == [n + 1 for n in pattern]
+        spec.cache.commit(spec.ids, out.num_accepted.tolist())
+        emitted = out.emitted_tokens(tree)
+        args = (tree, out.accepted_nodes, out.num_accepted, emitted, out.aux_hidden_states, spec.kv)
+        before, results = [c.clone() for c in caches], []
+        for is_chain in (False, True):
+            for c, b in zip(caches, before, strict=True):
+                c.copy_(b)
+            hidden = spec.drafter.extend_after_verify(*args, is_chain=is_chain)
+            results.append((hidden, [c.clone() for c in caches]))
+        (want, want_caches), (got, got_caches) = results
+        assert torch.equal(got, want)
+        for x, y in zip(got_caches, want_caches, strict=True):
+            assert torch.equal(x.nan_to_num(nan=-7.0), y.nan_to_num(nan=-7.0))
+        for seq, row in zip(spec.outputs, emitted.tolist(), strict=True):
+            seq += [t for t in row if t >= 0]
+        spec.last_hidden, spec.roots = got, out.bonus
+        if sampled:
+            sampling.counters += 1  # the sampled text leaves the greedy one: later drafts are mostly wrong
+
+
 def test_extend_rows_equals_extend(models):
     """The equal-width catch-up (verify steps, flushes of missed positions), rows holding 4, 2 and 0 valid tokens
     then padding after prefixes of 0, 5 and 3 positions, stores and returns what `extend` does with the valid tokens

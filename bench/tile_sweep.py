@@ -189,9 +189,9 @@ def main() -> None:
                     continue
                 rows.append((seconds, tiles, err, nbytes))
             rows.sort(key=lambda r: r[0])
-            for line in failed:
-                print(f"skipped {line}")
             print(f"\n{case}: {len(rows)} tilings, fastest first (heuristic = today's pick: {picked})")
+            for line in failed:
+                print(f"  skipped {line}")
             print(f"{'µs':>8} {'GB/s':>6} {'%copy':>6} {'max err':>9}  tiling")
             for seconds, tiles, err, nbytes in rows:
                 gbps = nbytes / seconds / 1e9

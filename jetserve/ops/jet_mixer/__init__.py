@@ -16,7 +16,7 @@ from jetserve.ops.backend import use_triton
 from jetserve.ops.dynamic_conv import dynamic_conv_decode
 from jetserve.ops.gated_delta_rule import gated_delta_rule_decode
 from jetserve.ops.jet_mixer import decode
-from jetserve.ops.jet_mixer.reference import check_mixer_args
+from jetserve.ops.jet_mixer.reference import one_after_the_other
 
 FUSED_MAX_ROWS = 1  # the fused kernel reads w2 once per sequence; the conv kernel once per step for up to 16
 
@@ -40,10 +40,7 @@ def jet_mixer_decode(
     """u [N, H*V] (raw values), h [N, G], w2_weight [H*V*W, G], w2_bias [H*V*W], conv_state [S, W-1, H*V] (shifted in
     place), q, k [N, H, K], a, b [N, H] (raw), A_log, dt_bias [H] fp32, state [S, H, K, V] fp32 (advanced in place),
     state_indices [N] int32 -> o [N, H, V] in u.dtype. See `reference.jet_mixer_decode`."""
+    args = (u, h, w2_weight, w2_bias, conv_state, q, k, a, b, A_log, dt_bias, state, state_indices, scale)
     if use_triton(u) and u.shape[0] <= FUSED_MAX_ROWS and envs.fused_mixer():
-        return decode.jet_mixer_decode(u, h, w2_weight, w2_bias, conv_state, q, k, a, b, A_log, dt_bias, state,
-                                       state_indices, scale)  # fmt: skip
-    num_heads, head_v = check_mixer_args(u, q, k, state)
-    v = dynamic_conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)  # [N, H*V]
-    v = v.view(u.shape[0], num_heads, head_v)  # [N, H, V]
-    return gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
+        return decode.jet_mixer_decode(*args)
+    return one_after_the_other(dynamic_conv_decode, gated_delta_rule_decode, *args)

@@ -39,7 +39,15 @@ def jet_mixer_decode(
     """One token per sequence: `v = dynamic_conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)` (the
     window shifted in place; v rounded to u.dtype) viewed as [N, H, V], then `gated_delta_rule_decode(q, k, v, a, b,
     A_log, dt_bias, state, state_indices, scale)` (the state advanced in place). Returns o [N, H, V] in u.dtype."""
+    args = (u, h, w2_weight, w2_bias, conv_state, q, k, a, b, A_log, dt_bias, state, state_indices, scale)
+    return one_after_the_other(conv.dynamic_conv_decode, delta.gated_delta_rule_decode, *args)
+
+
+def one_after_the_other(conv_decode, delta_decode, u, h, w2_weight, w2_bias, conv_state, q, k, a, b, A_log, dt_bias,
+                        state, state_indices, scale):  # fmt: skip
+    """`jet_mixer_decode` as the two ops given (the references here; the public ops where the fused kernel does not
+    run): the conv's output viewed as [N, H, V] is the gated delta rule's v."""
     num_heads, head_v = check_mixer_args(u, q, k, state)
-    v = conv.dynamic_conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)  # [N, H*V]
+    v = conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)  # [N, H*V]
     v = v.view(u.shape[0], num_heads, head_v)  # [N, H, V]
-    return delta.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
+    return delta_decode(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)

@@ -31,6 +31,8 @@ from jetserve.ops.norm.kernels import _rms_norm_kernel as rms_norm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
+SHARED_BYTES_PER_SM = 228 * 1024  # H100/H200 (a block may use 227 KB of it)
+WARPS_PER_SM = 64
 
 
 def argument_types(fn, constexprs: dict, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dict[str, str]:
@@ -53,7 +55,8 @@ def divisibility(fn, types: dict[str, str], unaligned: tuple[str, ...] = ()) -> 
 
 
 def ptxas_info(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """{registers, spill_bytes, shared_bytes, programs_per_sm} of `fn` compiled for sm_90 with these constexprs."""
+    """{registers, spill_bytes, shared_bytes, programs_per_sm} of `fn` compiled for sm_90 with these constexprs; the
+    programs an SM holds at once, as its registers, warps and shared memory allow."""
     source = ASTSource(fn, types, constexprs=constexprs, attrs=divisibility(fn, types))
     compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -66,9 +69,10 @@ def ptxas_info(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_
         os.unlink(f.name)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    programs = REGISTERS_PER_SM // max(1, registers * 32 * num_warps)
-    return {"registers": registers, "spill_bytes": spills, "shared_bytes": compiled.metadata.shared,
-            "programs_per_sm": programs}  # fmt: skip
+    shared = compiled.metadata.shared
+    programs = min(REGISTERS_PER_SM // max(1, registers * 32 * num_warps), WARPS_PER_SM // num_warps,
+                   SHARED_BYTES_PER_SM // max(1, shared))  # fmt: skip
+    return {"registers": registers, "spill_bytes": spills, "shared_bytes": shared, "programs_per_sm": programs}
 
 
 def cases() -> list[tuple[str, object, dict, dict, int, int]]:

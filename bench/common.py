@@ -31,6 +31,7 @@ from jetserve.ops.dynamic_conv import (  # noqa: E402
     dynamic_conv_prefill,
     dynamic_conv_verify,
 )
+from jetserve.ops.feature_ring import store_features  # noqa: E402
 from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_commit,
     gated_delta_rule_decode,
@@ -190,6 +191,15 @@ def mixer_case(s: Shapes, dtype: torch.dtype, device: str, n: int, fused: bool) 
     # per copy: w2 and bias, the inputs and the output, both windows and both states read and written
     per_call = _nbytes(w2s[0], bias, u, h, q, k, a, b, u) + 2 * _nbytes(conv_state[1:], state[1:])
     return lambda: [one(w2) for w2 in w2s], copies * per_call, copies * (2 * n * G * D * W + 6 * n * H * K * V)
+
+
+def feature_ring_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Case:
+    """A speculating engine's decode step storing the target's features at 3 capture layers into the draft's
+    catch-up ring (128 positions per slot)."""
+    ring = torch.zeros(n + 1, 128, 3, s.hidden, dtype=dtype, device=device)
+    features = [_randn(n, s.hidden, dtype=dtype, device=device) for _ in range(3)]
+    slots, positions = _slots(n, device), torch.arange(n, device=device) * 37 + 5
+    return lambda: store_features(ring, features, slots, positions), 2 * _nbytes(*features), 0
 
 
 def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
@@ -417,6 +427,7 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         for kind in ("rms_norm", "gated_rms_norm", "silu_and_mul"):
             cases[f"{kind} T={n}"] = lambda n=n, kind=kind: norm_cases(s, dtype, device, kind, n)
         cases[f"rope T={n}"] = lambda n=n: rope_case(s, dtype, device, n)
+        cases[f"feature_ring store N={n}"] = lambda n=n: feature_ring_case(s, dtype, device, n)
         if small:
             cases[f"rope expanded positions T={n}"] = lambda n=n: rope_expanded_case(s, dtype, device, n)
         for kind in ("jet in", "gate|up", "down", "logits"):

@@ -19,6 +19,7 @@ import torch
 
 from jetserve.engine.config import max_tree_nodes
 from jetserve.engine.sequence import Sequence
+from jetserve.ops.feature_ring import store_features
 from jetserve.spec.drafter import Drafter, DraftKV
 from jetserve.spec.eagle3 import Eagle3DraftModel
 from jetserve.spec.tree import DraftTree
@@ -320,17 +321,15 @@ class SpecDecoder:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         draft.bind_cache(self.k_cache, self.v_cache)
         self.last_hidden = torch.zeros(plan.num_slots, draft.config.hidden_size, dtype=dtype, device=device)  # [S, H]
-        # Target features of positions plain decode steps cached and the draft has not seen: position t of the
-        # sequence in slot s at [s, t % ring], one [S, ring, H_t] per capture layer.
+        # Target features of positions plain decode steps cached and the draft has not seen: capture layer l's
+        # feature at position t of the sequence in slot s at [s, t % ring, l], [S, ring, L, H_t].
         self.ring = ring
         # A catch-up forward holds at most max_flush_tokens (the engine's step budget, which its activations were
         # sized for) in rows of up to a ring's length: more rows are caught up in several forwards.
         self.max_flush_tokens = max_flush_tokens
         self.rows_per_flush = max(1, max_flush_tokens // ring)
-        missed_shape = (plan.num_slots, ring, runner.config.hidden_size)
-        self.missed_features = [
-            torch.zeros(missed_shape, dtype=runner.dtype, device=device) for _ in self.capture_layers
-        ]
+        missed_shape = (plan.num_slots, ring, len(self.capture_layers), runner.config.hidden_size)
+        self.missed_features = torch.zeros(missed_shape, dtype=runner.dtype, device=device)
         self.draft_len = np.zeros(plan.num_slots, dtype=np.int64)  # per slot: positions [0, draft_len) are drafted
         self.policy = AdaptivePolicy(shapes, adaptive)
         self.stats = SpecStats()
@@ -400,9 +399,7 @@ class SpecDecoder:
     ) -> None:
         """Keep a plain DECODE step's target features for a later `flush` instead of running the draft: inside the
         decode CUDA graph, or eagerly after an ungraphed step."""
-        index = (slots.long(), positions % self.ring)
-        for buffer, aux in zip(self.missed_features, aux_hidden_states, strict=True):
-            buffer[index] = aux
+        store_features(self.missed_features, aux_hidden_states, slots, positions)  # one launch (Triton)
 
     def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> None:
         """Before a plain DECODE step caches position p (positions_host [N] int64, slots_host [N]): a sequence whose
@@ -459,7 +456,7 @@ class SpecDecoder:
         width = ids.shape[1]
         positions = starts[:, None] + torch.arange(width, device=ids.device)  # [N, C]
         index = (slots[:, None].expand(-1, width), positions % self.ring)
-        features = [buffer[index].flatten(0, 1) for buffer in self.missed_features]  # one [N*C, H_t] per layer
+        features = list(self.missed_features[index].flatten(0, 1).unbind(1))  # one [N*C, H_t] per capture layer
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
         hidden = self.drafters[0].extend_rows(ids, features, starts, kv, valid)  # [N, H]
         self.last_hidden[slots] = torch.where((valid > 0)[:, None], hidden, self.last_hidden[slots])

@@ -376,12 +376,12 @@ def test_ring_and_pages_make_room_for_the_tree(tiny_checkpoint, tiny_model, draf
     # state: the plan counts what SpecDecoder allocates per slot.
     spec = engine.spec
     layers = len(spec.capture_layers)
-    allocated = sum(t[1].numel() * t.element_size() for t in [*spec.missed_features, spec.last_hidden])
+    allocated = sum(t[1].numel() * t.element_size() for t in [spec.missed_features, spec.last_hidden])
     target = slot_bytes_for(engine.model_config, engine.plan.ring_tokens, engine.runner.dtype)
     assert engine.plan.slot_bytes - target == allocated == (32 * layers * 64 + 64) * 4
     wider = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_feature_ring=64, **TREE)
     assert wider.plan.slot_bytes - engine.plan.slot_bytes == 32 * layers * 64 * 4
-    assert wider.spec.missed_features[0].shape[1] == 64
+    assert wider.spec.missed_features.shape[1:] == (64, layers, 64)
 
 
 def test_adaptive_policy_cost_model():

@@ -100,7 +100,7 @@ def test_gpu_speculative_graphs_equal_eager_and_agree_with_plain(
 def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor]:
     tensors = [engine.state_pool.conv_states, engine.state_pool.recurrent_states, engine.spec.k_cache,
                engine.spec.v_cache, engine.spec.last_hidden]  # fmt: skip
-    tensors += [t for pair in engine.runner.kv_caches.values() for t in pair] + engine.spec.missed_features
+    tensors += [t for pair in engine.runner.kv_caches.values() for t in pair] + [engine.spec.missed_features]
     for t in tensors:
         t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype) * 0.5)
     return tensors

@@ -40,6 +40,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
 )
 from jetserve.ops.jet_mixer import decode as fused_mixer  # noqa: E402
 from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
+from jetserve.ops.kv_metadata import kv_metadata  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import sample  # noqa: E402
@@ -200,6 +201,17 @@ def feature_ring_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Cas
     features = [_randn(n, s.hidden, dtype=dtype, device=device) for _ in range(3)]
     slots, positions = _slots(n, device), torch.arange(n, device=device) * 37 + 5
     return lambda: store_features(ring, features, slots, positions), 2 * _nbytes(*features), 0
+
+
+def kv_metadata_case(device: str, n: int, context: int) -> Case:
+    """A decode step's K/V metadata for n sequences at `context` tokens (page 16, an SWA ring of 2048 tokens): slot
+    mappings and the block tables' rows, gathered from a table of 64K-token rows."""
+    pages_per_seq = 65536 // PAGE_SIZE
+    table = torch.randint(0, 1 << 20, (n + 1, pages_per_seq), dtype=torch.int32, device=device)
+    slots, positions = _slots(n, device), torch.full((n,), context - 1, device=device)
+    cols = -(-context // PAGE_SIZE)
+    args = (positions, slots, positions + 1, slots, table, cols, PAGE_SIZE, 2048, True, True)
+    return lambda: kv_metadata(*args), n * cols * 4 * 2, 0
 
 
 def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
@@ -428,6 +440,7 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
             cases[f"{kind} T={n}"] = lambda n=n, kind=kind: norm_cases(s, dtype, device, kind, n)
         cases[f"rope T={n}"] = lambda n=n: rope_case(s, dtype, device, n)
         cases[f"feature_ring store N={n}"] = lambda n=n: feature_ring_case(s, dtype, device, n)
+        cases[f"kv_metadata decode N={n} ctx={context}"] = lambda n=n: kv_metadata_case(device, n, context)
         if small:
             cases[f"rope expanded positions T={n}"] = lambda n=n: rope_expanded_case(s, dtype, device, n)
         for kind in ("jet in", "gate|up", "down", "logits"):

@@ -16,6 +16,7 @@ from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.multimodal.inputs import spliced_input_embeds
+from jetserve.ops.kv_metadata import kv_metadata
 from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
 if TYPE_CHECKING:
@@ -124,8 +125,8 @@ class ModelRunner:
         self._slot_owner: list[tuple[int, int] | None] = [None] * plan.num_slots
         self._slot_synced_pages = [0] * plan.num_slots
         self.sampler = Sampler(plan.num_slots, self.device)
-        self._ring_offsets = torch.arange(ring_pages, dtype=torch.int64, device=self.device)  # [R]
         self._is_pinned = self.device.type == "cuda"
+        self._size_decode_constants(plan.num_slots)
         self.graph_runner = None  # a GraphRunner once `capture_graphs` ran
         self.spec: SpecDecoder | None = None
         self.capture_layers: tuple[int, ...] = ()  # target layers whose inputs the draft reads (with a SpecDecoder)
@@ -364,22 +365,27 @@ class ModelRunner:
         """A DECODE ForwardBatch built on the device from [B] token ids, positions and slots (graph-capturable:
         no host reads; rows with slot 0 are padding and write nothing)."""
         num_seqs = input_ids.shape[0]
-        rows = state_indices.long()
         context = positions + 1  # [B]
-        kv, swa_kv = self._kv_metadata(positions, rows, context, rows, self.plan.max_pages_per_seq)
+        kv, swa_kv = self._kv_metadata(positions, state_indices, context, state_indices, self.plan.max_pages_per_seq)
         return ForwardBatch(
             phase=Phase.DECODE,
             input_ids=input_ids,
             positions=positions,
-            cu_seqlens=torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device),
+            cu_seqlens=self._decode_cu_seqlens[: num_seqs + 1],  # constants: no kernel in a decode graph
             context_lens=context.to(torch.int32),
             state_indices=state_indices.to(torch.int32),
-            has_initial_state=torch.ones(num_seqs, dtype=torch.bool, device=self.device),
+            has_initial_state=self._decode_has_state[:num_seqs],
             max_seqlen_q=1,
             kv=kv,
             swa_kv=swa_kv,
             capture_layers=self.capture_layers,
         )
+
+    def _size_decode_constants(self, max_batch: int) -> None:
+        """A DECODE batch's cu_seqlens (0, 1, .., B) and has_initial_state (all true), for batches up to max_batch:
+        slices of these, so a decode graph replays no kernel for them."""
+        self._decode_cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)  # [B_max + 1]
+        self._decode_has_state = torch.ones(max_batch, dtype=torch.bool, device=self.device)  # [B_max]
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor):
         """[B] inputs → logits [B, V] fp32 (what a decode CUDA graph captures)."""
@@ -400,22 +406,15 @@ class ModelRunner:
         state_indices: torch.Tensor,  # [N]
         num_cols: int,  # block-table columns to pass (pages of the longest sequence)
     ) -> tuple[KVMetadata | None, KVMetadata | None]:
-        is_real = rows > 0  # padded rows (slot 0) write nothing
-        kv = swa_kv = None
-        if self.has_attn:
-            ps = self.page_size
-            pages = self.block_table[rows, positions // ps].long()  # [T]
-            slot_mapping = torch.where(is_real, pages * ps + positions % ps, -1)  # [T]
-            kv = KVMetadata(slot_mapping, self.block_table[state_indices.long(), :num_cols])
-        if self.has_swa:
-            ring = self.plan.ring_tokens
-            # A token that a later token of the same chunk overwrites in the ring is not written at all.
-            is_kept = is_real & (positions >= seq_ends - ring)  # [T]
-            slot_mapping = torch.where(is_kept, rows * ring + positions % ring, -1)  # [T]
-            ring_pages = self._ring_offsets.shape[0]
-            tables = (state_indices.long()[:, None] * ring_pages + self._ring_offsets).to(torch.int32)  # [N, R]
-            swa_kv = KVMetadata(slot_mapping, tables, ring_tokens=ring)
-        return kv, swa_kv
+        """`ops.kv_metadata` over this runner's block table (one launch on the GPU): padded rows (slot 0) write
+        nothing, and a token that a later token of the same chunk overwrites in an SWA ring is not written at all."""
+        ring = self.plan.ring_tokens
+        kv, swa_kv = kv_metadata(positions, rows, seq_ends, state_indices, self.block_table, num_cols, self.page_size,
+                                 ring, self.has_attn, self.has_swa)  # fmt: skip
+        return (
+            KVMetadata(*kv) if kv is not None else None,
+            KVMetadata(*swa_kv, ring_tokens=ring) if swa_kv is not None else None,
+        )
 
     # ---- log-probs (only when a request asks) ----
 
@@ -469,6 +468,8 @@ class ModelRunner:
         from jetserve.engine.cuda_graph import GraphRunner
 
         assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        if max(batch_sizes) > self._decode_has_state.shape[0]:
+            self._size_decode_constants(max(batch_sizes))
         self.graph_runner = GraphRunner(self, batch_sizes)
         self.graph_runner.capture()
 

@@ -24,8 +24,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from jetserve.ops.dynamic_conv.decode import _decode_kernel as conv_decode  # noqa: E402
+from jetserve.ops.feature_ring.store import _store_kernel as feature_ring  # noqa: E402
 from jetserve.ops.gated_delta_rule.decode import gated_delta_rule_decode_kernel as gdr_decode  # noqa: E402
 from jetserve.ops.jet_mixer.decode import _jet_mixer_decode_kernel as jet_mixer  # noqa: E402
+from jetserve.ops.kv_metadata.kernels import _kv_metadata_kernel as kv_metadata  # noqa: E402
 from jetserve.ops.linear.kernels import _linear_kernel as linear  # noqa: E402
 from jetserve.ops.norm.kernels import _rms_norm_kernel as rms_norm  # noqa: E402
 
@@ -114,6 +116,13 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}
     out.append(("jet_mixer decode (fused), 1 row", jet_mixer, argument_types(jet_mixer, consts, ptrs, ("scale",)),
                 consts, 2, 3))  # fmt: skip
+    consts = dict(ATTN=True, SWA=True, BLOCK_COLS=256, BLOCK_RING=128)
+    ptrs = {"positions": "*i64", "rows": "*i32", "seq_ends": "*i64", "state_indices": "*i32", "block_table": "*i32",
+            "slot_mapping": "*i64", "tables": "*i32", "swa_slot_mapping": "*i64", "swa_tables": "*i32"}  # fmt: skip
+    out.append(("kv_metadata, attn and swa", kv_metadata, argument_types(kv_metadata, consts, ptrs), consts, 4, 1))
+    consts = dict(NUM=3, BLOCK=1024)
+    ptrs = {n: bf16 for n in ("ring", "f0", "f1", "f2", "f3")} | {"slots": "*i32", "positions": "*i64"}
+    out.append(("feature_ring store, 3 layers", feature_ring, argument_types(feature_ring, consts, ptrs), consts, 4, 1))
     return out
 
 

@@ -60,14 +60,16 @@ def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int
         f"\nbatch {batch_size}: LLMEngine.step {step_ms:.3f} ms, decode graph replay alone {replay_ms:.3f} ms "
         f"(unprofiled)"
     )
-    print(f"batch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step, "
-          f"roofline {roofline_ms:.3f} ms ({bandwidth / 1e9:.0f} GB/s copy bandwidth measured here)")  # fmt: skip
+    kernels = sum(e.count for e in events) / steps
+    print(f"batch {batch_size}: {wall_ms:.3f} ms per step (profiled), GPU busy {gpu_ms:.3f} ms per step in "
+          f"{kernels:.0f} kernels, roofline {roofline_ms:.3f} ms ({bandwidth / 1e9:.0f} GB/s copy bandwidth measured "
+          f"here)")  # fmt: skip
     print(f"{'kernel':80} {'us/step':>9} {'calls/step':>10}")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"{e.key[:80]:80} {e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f}")
     return {"batch_size": batch_size, "input_len": input_len, "step_ms": step_ms, "replay_ms": replay_ms,
             "phases_ms": phases,
-            "kernels_per_step": sum(e.count for e in events) / steps, "wall_ms_per_step": wall_ms,
+            "kernels_per_step": kernels, "wall_ms_per_step": wall_ms,
             "gpu_ms_per_step": gpu_ms, "roofline_ms_per_step": roofline_ms, "copy_gb_s": bandwidth / 1e9}  # fmt: skip
 
 

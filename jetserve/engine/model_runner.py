@@ -365,6 +365,7 @@ class ModelRunner:
         """A DECODE ForwardBatch built on the device from [B] token ids, positions and slots (graph-capturable:
         no host reads; rows with slot 0 are padding and write nothing)."""
         num_seqs = input_ids.shape[0]
+        assert num_seqs <= self._decode_has_state.shape[0], f"a decode batch of {num_seqs} rows past the constants"
         context = positions + 1  # [B]
         kv, swa_kv = self._kv_metadata(positions, state_indices, context, state_indices, self.plan.max_pages_per_seq)
         return ForwardBatch(

@@ -1,0 +1,81 @@
+"""The engine on the Triton backend, in the interpreter: every op's Triton variant called the way `ModelRunner` calls it
+(the K/V metadata launch for prefill, decode and verify; the draft's feature ring with a draft attached; the fused
+mixer at batch 1 when asked for) generates what the reference backend generates. The GPU tests run the same paths
+compiled; this runs them where CI runs."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from jetserve import envs
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.ops.backend import set_backend
+from jetserve.ops.feature_ring import store as feature_ring_store
+from jetserve.ops.jet_mixer import decode as jet_mixer_decode
+from jetserve.ops.kv_metadata import kernels as kv_metadata_kernels
+from jetserve.sampling_params import SamplingParams
+from jetserve.spec.eagle3 import make_draft_checkpoint
+
+pytestmark = pytest.mark.skipif(not envs.triton_interpret(), reason="Triton variants run here in the interpreter")
+
+ENGINE_ARGS = dict(device="cpu", page_size=4, num_pages=256, num_slots=9, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_checkpoint, tmp_path_factory):
+    return str(make_draft_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200))
+
+
+def generate(tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str):
+    """(greedy tokens per request, the draft's feature ring and last hidden states or None). mode: "plain" (no
+    draft), "verify" (a chain draft verified at every step) or "ready" (a draft kept ready while the policy decodes
+    plainly: features into the ring, catch-ups)."""
+    spec = dict(draft=draft_dir, spec_topk=1, spec_steps=2, spec_feature_ring=4) if mode != "plain" else {}
+    set_backend(backend)
+    try:
+        config = EngineConfig(model=str(tiny_checkpoint), **(ENGINE_ARGS | spec))
+        engine = LLMEngine(config, model=tiny_model, tokenizer=None)
+        if mode != "plain":
+            engine.spec.policy.forced_option = 0 if mode == "verify" else -1
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        draft_state = (engine.spec.missed_features, engine.spec.last_hidden) if mode != "plain" else None
+        return out, draft_state
+    finally:
+        set_backend("reference")  # the engine modules' CPU default
+
+
+@pytest.mark.parametrize("mode", ["plain", "verify", "ready"])
+@pytest.mark.parametrize("lone", [False, True])
+def test_triton_engine_generates_what_the_reference_engine_does(
+    tiny_checkpoint, tiny_model, draft_dir, monkeypatch, mode, lone
+):
+    """Two prompts (a batch) or one (batch 1: the fused mixer, asked for), plainly, verifying a chain draft at every
+    step, or keeping the draft ready while decoding plainly; the Triton launches counted, so none is skipped, and the
+    draft's ring and hidden states compared, since speculation's output is exact whatever the draft holds."""
+    monkeypatch.setenv("JETSERVE_FUSED_MIXER", "1")
+    calls = collections.Counter()
+    for module, name in ((kv_metadata_kernels, "kv_metadata"), (feature_ring_store, "store_features"),
+                         (jet_mixer_decode, "jet_mixer_decode")):  # fmt: skip
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.update([_n]) or _f(*a, **k))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5)][: 1 if lone else 2]
+    want, want_draft = generate(tiny_checkpoint, tiny_model, "reference", prompts, mode, draft_dir)
+    assert not calls
+    got, got_draft = generate(tiny_checkpoint, tiny_model, "triton", prompts, mode, draft_dir)
+    assert got == want and all(len(tokens) == 6 for tokens in got.values())
+    if mode != "plain":  # greedy output is exact whatever the draft holds: compare what it holds
+        for a, b in zip(got_draft, want_draft, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert calls["kv_metadata"] > 0
+    assert (calls["store_features"] > 0) == (mode == "ready")
+    assert (calls["jet_mixer_decode"] > 0) == (lone and mode != "verify")

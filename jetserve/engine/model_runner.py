@@ -397,7 +397,7 @@ class ModelRunner:
         self, stored: torch.Tensor, rows: torch.Tensor, seq_ends: torch.Tensor, state_indices: torch.Tensor
     ) -> tuple[KVMetadata | None, KVMetadata | None]:
         """The Verifier's KVMetadataFn: metadata of a VERIFY batch (every block-table column, graph-capturable)."""
-        return self._kv_metadata(stored, rows.long(), seq_ends, state_indices, self.plan.max_pages_per_seq)
+        return self._kv_metadata(stored, rows, seq_ends, state_indices, self.plan.max_pages_per_seq)
 
     def _kv_metadata(
         self,

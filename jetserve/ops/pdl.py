@@ -5,7 +5,8 @@ scheduled once every program of the previous kernel has signalled (`gdc_launch_d
 work is done), and they wait (`gdc_wait`, which returns once the previous kernel has finished and its writes are
 visible) before their first memory access. So a chain of these kernels overlaps each one's launch and start with the
 previous one's tail; a kernel launched without PDL (torch's, cuBLAS) waits for the previous one as usual. The skinny
-GEMM, RMSNorm (with and without the residual), the conv decode and the gated-delta-rule decode take part.
+GEMM, RMSNorm (with and without the residual), the conv decode, the gated-delta-rule decode and the fused mixer
+decode (`jetserve.ops.jet_mixer`) take part.
 
 Measured on an H200 (2B, 4K context, session 21): batch-1 TPOT 1.796 → 1.736 ms, batch 64 3.628 → 3.550 ms, batch 256
 7.98 → 8.04 ms (the same call, one GPU each). Session 20's versions also prefetched each GEMM's weight slice into L2

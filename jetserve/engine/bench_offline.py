@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -98,6 +98,10 @@ class BenchResult:
     spec_draft_ms: float | None = None  # per verify step
     spec_verify_ms: float | None = None
     spec_verify_share: float | None = None  # timed spec-run steps that verified (the rest decoded plainly)
+    # Where a speed-up below 1 comes from: a slower typical step (medians) or a few slow steps (maxima), in ms.
+    plain_step_ms: tuple[float, float] | None = None  # the plain run's steps: (median, max)
+    spec_plain_step_ms: tuple[float, float] | None = None  # the spec run's steps that decoded plainly
+    spec_verify_step_ms: tuple[float, float] | None = None  # the spec run's verify steps
     # Triton kernel specializations first built during the timed runs (each a compile or a disk-cache load inside a
     # timed step; 0 when warm): see ops.jit_watch.
     new_specializations: int | None = None
@@ -436,6 +440,9 @@ def _bench_speculative(
         spec_draft_ms=round(stats.draft_ms_per_step, 4),
         spec_verify_ms=round(stats.verify_ms_per_step, 4),
         spec_verify_share=round(run.verify_steps / max(len(run.decode_step_seconds), 1), 4),
+        plain_step_ms=_median_and_max(plain.decode_step_seconds),
+        spec_plain_step_ms=_median_and_max([t for t, v in run.steps() if not v]),
+        spec_verify_step_ms=_median_and_max([t for t, v in run.steps() if v]),
         spec_new_specializations=sum(spec_new.values()),
     )
 
@@ -447,6 +454,11 @@ class RunResult:
     decode_tokens: int  # tokens those steps produced
     outputs: list[list[int]]  # each request's output tokens, in prompt order
     verify_steps: int = 0  # of those steps, the ones that verified draft trees
+    step_verified: list[bool] = field(default_factory=list)  # per timed step: did it verify
+
+    def steps(self) -> list[tuple[float, bool]]:
+        """(seconds, verified) of each timed step."""
+        return list(zip(self.decode_step_seconds, self.step_verified, strict=True))
 
 
 def _run(
@@ -457,7 +469,8 @@ def _run(
         engine.add_request(f"{label}-{i}", prompt, params)
     total_steps = _estimate_steps(engine, prompts, params)
     decode_steps: list[float] = []
-    decode_tokens = verify_steps = 0
+    decode_tokens = 0
+    step_verified: list[bool] = []
     outputs: dict[str, list[int]] = {}
     step = 0
     start = time.perf_counter()
@@ -469,7 +482,7 @@ def _run(
         if is_full_decode:
             decode_steps.append(time.perf_counter() - t0)
             decode_tokens += sum(len(o.new_token_ids) for o in outs)
-            verify_steps += engine.num_verify_steps - verified_before
+            step_verified.append(engine.num_verify_steps > verified_before)
         for out in outs:
             if out.finished:
                 outputs[out.request_id] = out.output_token_ids
@@ -478,7 +491,11 @@ def _run(
     seconds = time.perf_counter() - start
     print(file=sys.stderr)
     ordered = [outputs[f"{label}-{i}"] for i in range(len(prompts))]
-    return RunResult(seconds, decode_steps, decode_tokens, ordered, verify_steps)
+    return RunResult(seconds, decode_steps, decode_tokens, ordered, sum(step_verified), step_verified)
+
+
+def _median_and_max(seconds: list[float]) -> tuple[float, float] | None:
+    return (round(statistics.median(seconds) * 1e3, 4), round(max(seconds) * 1e3, 4)) if seconds else None
 
 
 def _is_full_decode(engine: LLMEngine, batch_size: int) -> bool:
@@ -513,9 +530,16 @@ def print_table(results: list[BenchResult]) -> None:
             print(f"{r.batch_size:>6} {r.plain_decode_tok_s:>12.1f} {r.spec_decode_tok_s:>11.1f} "
                   f"{r.spec_speedup:>8.2f}x {r.spec_tau:>6.2f} {r.spec_draft_ms:>9.3f} {r.spec_verify_ms:>10.3f} "
                   f"{r.spec_verify_share:>12.0%}  {depths}")  # fmt: skip
+        for r in results:
+            print(f"batch {r.batch_size} step ms, median / max: plain run {_pair(r.plain_step_ms)}; speculating: "
+                  f"plain steps {_pair(r.spec_plain_step_ms)}, verify {_pair(r.spec_verify_step_ms)}")  # fmt: skip
     if results:
         r = results[0]
         print(f"copy bandwidth {r.copy_bandwidth_gb_s:.0f} GB/s, GEMM {r.gemm_tflops:.0f} TFLOP/s (measured here)")
+
+
+def _pair(ms: tuple[float, float] | None) -> str:
+    return "-" if ms is None else f"{ms[0]:.3f} / {ms[1]:.3f}"
 
 
 def plot(results: list[BenchResult], path: str, config: ModelConfig) -> None:

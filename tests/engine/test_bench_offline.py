@@ -47,6 +47,10 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
     assert r["plain_decode_tok_s"] > 0 and r["spec_decode_tok_s"] > 0
     assert r["spec_speedup"] == pytest.approx(r["spec_decode_tok_s"] / r["plain_decode_tok_s"], rel=1e-2)
     assert r["spec_draft_ms"] > 0 and r["spec_verify_ms"] > 0
+    # always verifying: every timed step of the speculating run verified, none decoded plainly
+    assert r["spec_verify_share"] == 1.0 and r["spec_plain_step_ms"] is None
+    for median, longest in (r["plain_step_ms"], r["spec_verify_step_ms"]):
+        assert 0 < median <= longest
     if forced == "right":  # every draft accepted: 2 drafts + the bonus per step
         assert r["spec_tau"] == 3.0 and r["spec_acceptance_per_depth"] == [1.0, 1.0]
     else:

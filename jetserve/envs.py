@@ -36,9 +36,9 @@ def pdl() -> bool:
 
 
 def fused_mixer() -> bool:
-    """JETSERVE_FUSED_MIXER=1 runs a JetBlock's decode conv and gated delta rule as one Triton launch at batch 1
-    (`jetserve.ops.jet_mixer`). Off by default: not yet measured on a GPU."""
-    value = os.environ.get("JETSERVE_FUSED_MIXER", "0")
+    """A JetBlock's decode conv and gated delta rule as one Triton launch at batch 1 (`jetserve.ops.jet_mixer`): on by
+    default (the 2B's batch-1 step 1.62 → 1.55 ms on an H200, session 22); JETSERVE_FUSED_MIXER=0 turns it off."""
+    value = os.environ.get("JETSERVE_FUSED_MIXER", "1")
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_FUSED_MIXER: {value!r} is not 0 or 1")
     return value == "1"

@@ -130,8 +130,8 @@ def test_triton_model_equals_reference_model(tiny_checkpoint):
 
 
 def test_fused_mixer_decode_in_the_model_equals_the_reference_model(tiny_checkpoint, monkeypatch):
-    """JETSERVE_FUSED_MIXER=1: a lone sequence's decode steps run each JetBlock's conv and gated delta rule as one
-    Triton launch (counted), and the logits equal the reference ops'."""
+    """The fused mixer (on by default): a lone sequence's decode steps run each JetBlock's conv and gated delta rule
+    as one Triton launch (counted), and the logits equal the reference ops'."""
     if not envs.triton_interpret():
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
     from jetserve.ops.jet_mixer import decode as fused

@@ -79,16 +79,25 @@ def test_triton_fused_decode_matches_the_two_reference_ops(width: int, dtype: to
 
 @pytest.mark.parametrize(
     ("backend", "flag", "rows", "fused"),
-    [("triton", "1", 1, True), ("triton", "1", 2, False), ("triton", "0", 1, False), ("reference", "1", 1, False)],
+    [
+        ("triton", None, 1, True),
+        ("triton", "1", 1, True),
+        ("triton", "1", 2, False),
+        ("triton", "0", 1, False),
+        ("reference", "1", 1, False),
+    ],
 )
 def test_dispatch_takes_the_fused_kernel_only_when_asked_for_and_small(
-    monkeypatch: pytest.MonkeyPatch, backend: str, flag: str, rows: int, fused: bool
+    monkeypatch: pytest.MonkeyPatch, backend: str, flag: str | None, rows: int, fused: bool
 ) -> None:
-    """The fused kernel runs for at most FUSED_MAX_ROWS sequences with JETSERVE_FUSED_MIXER=1 on the Triton backend;
-    otherwise the two public ops run. Either way the result is the reference's."""
+    """The fused kernel runs for at most FUSED_MAX_ROWS sequences on the Triton backend unless JETSERVE_FUSED_MIXER=0
+    (unset: on); otherwise the two public ops run. Either way the result is the reference's."""
     if backend == "triton" and not envs.triton_interpret():
         pytest.skip("Triton variants run here in the interpreter")
-    monkeypatch.setenv("JETSERVE_FUSED_MIXER", flag)
+    if flag is None:
+        monkeypatch.delenv("JETSERVE_FUSED_MIXER", raising=False)
+    else:
+        monkeypatch.setenv("JETSERVE_FUSED_MIXER", flag)
     calls = []
     original = decode.jet_mixer_decode
     monkeypatch.setattr(decode, "jet_mixer_decode", lambda *args, **kw: calls.append(1) or original(*args, **kw))

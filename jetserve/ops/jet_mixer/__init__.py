@@ -1,12 +1,12 @@
 """The JetBlock mixer's decode core: the dynamic conv of the values, then the gated delta rule, for one token per
 sequence. `jet_mixer_decode` runs the fused Triton kernel (`decode.py`: one launch, the conv's output kept in
-registers) when `use_triton(u)` says so, the batch has at most FUSED_MAX_ROWS sequences and `JETSERVE_FUSED_MIXER=1`;
-otherwise the two public ops one after the other (each picking its own variant).
+registers) when `use_triton(u)` says so, the batch has at most FUSED_MAX_ROWS sequences and `JETSERVE_FUSED_MIXER`
+is not 0; otherwise the two public ops one after the other (each picking its own variant).
 
-Off by default until measured in the model: predicted to save the gated-delta-rule launch and the conv output's round
-trip, ~3 µs of each of the 2B's 24 JetBlock layers at batch 1. Timed alone on an H200 (session 22, w2 from HBM) it
-takes 6.54 µs a layer against 7.69 for the two kernels; its first launch (2 warps) took 15.3 and made a batch-1 step
-of the 2B 1.617 → 1.755 ms slower.
+On by default. Predicted to save the gated-delta-rule launch and the conv output's round trip, ~3 µs of each of the
+2B's 24 JetBlock layers at batch 1 (~70 µs a step). Measured on an H200 (session 22): timed alone (w2 from HBM) 6.54
+µs a layer against 7.69 for the two kernels; in the 2B's batch-1 decode (4K context) TPOT 1.622 / 1.625 → 1.553 /
+1.554 ms, two pairs. Its first launch (2 warps) took 15.3 µs a layer and made that step slower (1.617 → 1.755 ms).
 """
 
 from __future__ import annotations

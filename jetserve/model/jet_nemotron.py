@@ -27,14 +27,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        fb: ForwardBatch,
+        captured: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None)."""
+        """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None). With
+        `captured`, the layer's input hidden states (hidden + residual, [T, hidden]) are appended to it: the input
+        norm's residual output, a tensor of its own, so capturing launches nothing."""
         if residual is None:
             residual = hidden
             x = self.input_layernorm(hidden)
         else:
             x, residual = self.input_layernorm(hidden, residual)
+        if captured is not None:
+            captured.append(residual)
         hidden = self.self_attn(x, fb)
         x, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(x), residual
@@ -86,11 +94,9 @@ class JetNemotronForCausalLM(nn.Module):
         """Returns the final-normed hidden states [T, hidden] of every token in the batch."""
         hidden = self.model.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds  # [T, hidden]
         residual = None
-        captured = []
+        captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
-            if i in fb.capture_layers:
-                captured.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(hidden, residual, fb)
+            hidden, residual = layer(hidden, residual, fb, captured if i in fb.capture_layers else None)
         self.aux_hidden_states = captured
         hidden, _ = self.model.norm(hidden, residual)
         return hidden

@@ -453,8 +453,11 @@ class RunResult:
     decode_step_seconds: list[float]  # each step that decoded the full batch
     decode_tokens: int  # tokens those steps produced
     outputs: list[list[int]]  # each request's output tokens, in prompt order
-    verify_steps: int = 0  # of those steps, the ones that verified draft trees
-    step_verified: list[bool] = field(default_factory=list)  # per timed step: did it verify
+    step_verified: list[bool] = field(default_factory=list)  # per timed step: did it verify draft trees
+
+    @property
+    def verify_steps(self) -> int:
+        return sum(self.step_verified)
 
     def steps(self) -> list[tuple[float, bool]]:
         """(seconds, verified) of each timed step."""
@@ -491,7 +494,7 @@ def _run(
     seconds = time.perf_counter() - start
     print(file=sys.stderr)
     ordered = [outputs[f"{label}-{i}"] for i in range(len(prompts))]
-    return RunResult(seconds, decode_steps, decode_tokens, ordered, sum(step_verified), step_verified)
+    return RunResult(seconds, decode_steps, decode_tokens, ordered, step_verified)
 
 
 def _median_and_max(seconds: list[float]) -> tuple[float, float] | None:

@@ -115,6 +115,7 @@ class AdaptivePolicy:
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
         self.exploring: dict[int, tuple[int, int]] = {}  # bucket → (step, best option) of an exploration not yet judged
         self.plain_again: set[int] = set()  # buckets whose next step continues an exploration of plain decoding
+        self.measured: set[int] = set()  # buckets whose every option has been timed enough (timings are only added)
 
     def tokens_per_step(self, option: int) -> float:
         if option < 0:
@@ -135,9 +136,11 @@ class AdaptivePolicy:
             self.plain_again.discard(bucket)
             return -1
         options = [*range(len(self.shapes)), -1]
-        unmeasured = [c for c in options if len(self.recent_seconds.get((c, bucket), ())) < self.min_samples(c)]
-        if unmeasured:
-            return unmeasured[0]
+        if bucket not in self.measured:
+            unmeasured = [c for c in options if len(self.recent_seconds.get((c, bucket), ())) < self.min_samples(c)]
+            if unmeasured:
+                return unmeasured[0]
+            self.measured.add(bucket)
         best = max(options, key=lambda c: self.tokens_per_step(c) / self.step_seconds[(c, bucket)])
         if bucket in self.exploring:  # the last exploration has been measured: judge it
             started, best_before = self.exploring.pop(bucket)
@@ -410,7 +413,7 @@ class SpecDecoder:
 
     def needs_flush(self, slots_host: np.ndarray, positions_host: np.ndarray) -> np.ndarray:
         """Rows whose ring a step caching `positions_host` would wrap onto a position the draft has not seen."""
-        return np.flatnonzero(positions_host - self.draft_len[slots_host] >= self.ring)
+        return (positions_host - self.draft_len[slots_host] >= self.ring).nonzero()[0]  # [rows] (1-D: no ravel)
 
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in

@@ -387,6 +387,44 @@ def fused_linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: 
             2 * m * s.hidden * value_dim)  # fmt: skip
 
 
+def add_norm_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int, fused: bool) -> Case:
+    """A layer's producing GEMM and the RMSNorm after it, as a decode step at m rows runs them: the SwiGLU down
+    projection then the next layer's input norm ("down"), or the JetBlock's gated-norm o_proj then the
+    post-attention norm ("gated-norm o"); the norm in the GEMM's epilogue (`add_norm`, fused) or its own launch.
+    The weight rotates through copies past 4x the L2 on a GPU (in a decode step it comes from HBM); one call runs
+    every copy once."""
+    if kind == "down":
+        n, k = s.hidden, s.mlp
+        x = _randn(m, 2 * k, dtype=dtype, device=device)
+        inputs = (x,)
+
+        def gemm(w: torch.Tensor, add=None):
+            return swiglu_linear(x, w, add_norm=add)
+    else:
+        n, k = s.hidden, s.channels
+        o, g = _randn(m, k, dtype=dtype, device=device), _randn(m, k, dtype=dtype, device=device)
+        head_w = _randn(s.value_dim, dtype=dtype, device=device)
+        inputs = (o, g)
+
+        def gemm(w: torch.Tensor, add=None):
+            return gated_norm_linear(o, g, head_w, 1e-5, w, add_norm=add)
+
+    w_bytes = n * k * dtype.itemsize
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 0
+    copies = max(1, -(-4 * l2 // w_bytes))
+    ws = [_randn(n, k, dtype=dtype, device=device, scale=k**-0.5) for _ in range(copies)]
+    residual, norm_w = _randn(m, n, dtype=dtype, device=device), _randn(n, dtype=dtype, device=device)
+    add = (residual, norm_w, 1e-6)
+    gemm(ws[0], add)  # once eagerly: the epilogue's ticket counter is allocated outside any graph capture
+
+    def one(w: torch.Tensor):
+        return gemm(w, add) if fused else rms_norm(gemm(w), norm_w, 1e-6, residual)
+
+    # per copy: the weight and the GEMM's inputs read, the residual read, h and the normed rows written
+    per_call = _nbytes(ws[0], *inputs, residual) + 2 * m * n * dtype.itemsize
+    return lambda: [one(w) for w in ws], copies * per_call, copies * 2 * m * n * k
+
+
 def sample_case(s: Shapes, device: str, n: int, filtered: bool = True) -> Case:
     """sample over the vocabulary with top-k 50 and top-p 0.9 (`filtered`), or temperature alone with the promise
     that no row filters (the engine's Sampler makes it from the host's parameters): the fp32 logits and row
@@ -449,6 +487,13 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
             cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: fused_linear_case(s, dtype, device, kind, n)
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
         cases[f"sample temperature-only N={n}"] = lambda n=n: sample_case(s, device, n, filtered=False)
+    for m in (1, 4, 16) if not small else (1, 3):  # decode rows on the Triton GEMM (ops.linear.GEMV_MAX_ROWS)
+        for kind in ("down", "gated-norm o"):  # the next RMSNorm in the GEMM's epilogue, or its own launch
+            for fused in (True, False):
+                label = "+ add_norm epilogue" if fused else "then rms_norm"
+                cases[f"linear {kind} {label} M={m}, weights from HBM"] = lambda m=m, kind=kind, fused=fused: (
+                    add_norm_case(s, dtype, device, kind, m, fused)
+                )
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
         cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)

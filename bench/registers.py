@@ -82,20 +82,26 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     wrappers pick on an H200."""
     bf16 = "*bf16"
     out = []
-    for label, block_n, block_k, warps, norm_head, gated in [
-        ("linear one-row FMA, o_proj gated norm (1536 x 3072)", 4, 1024, 8, 256, False),
-        ("linear one-row FMA, down SwiGLU (1536 x 8960)", 2, 1024, 4, 0, True),
-    ]:
+    ptrs = {n: bf16 for n in ("x", "w", "bias", "y", "gate", "norm_w", "residual", "h", "out_w")}
+    ptrs |= {"partial": "*fp32", "sumsq": "*fp32", "ticket": "*i32"}
+    no_add = dict(ADD_NORM=False, BLOCK_ROW=1, BLOCK_P=1)
+    for label, block_n, block_k, warps, norm_head, gated, add in [
+        ("linear one-row FMA, o_proj gated norm (1536 x 3072)", 4, 1024, 8, 256, False, no_add),
+        ("linear one-row FMA, down SwiGLU (1536 x 8960)", 2, 1024, 4, 0, True, no_add),
+        ("... o_proj, + residual add and RMSNorm", 4, 1024, 8, 256, False, dict(ADD_NORM=True, BLOCK_ROW=2048,
+                                                                                 BLOCK_P=512)),
+        ("... down, + residual add and RMSNorm", 2, 1024, 4, 0, True, dict(ADD_NORM=True, BLOCK_ROW=2048,
+                                                                          BLOCK_P=1024)),
+    ]:  # fmt: skip
         consts = dict(HAS_BIAS=False, HAS_SILU=False, GATED=gated, NORM_HEAD=norm_head, IS_SPLIT=False, USE_DOT=False,
                       EVEN_M=True, EVEN_K=False, INPUT_PRECISION="tf32", BLOCK_M=1, BLOCK_N=block_n,
-                      BLOCK_K=block_k, PDL=True)  # fmt: skip
-        ptrs = {n: bf16 for n in ("x", "w", "bias", "y", "gate", "norm_w")} | {"partial": "*fp32"}
-        out.append((label, linear, argument_types(linear, consts, ptrs, ("eps",)), consts, warps, 1))
+                      BLOCK_K=block_k, PDL=True, **add)  # fmt: skip
+        out.append((label, linear, argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, warps, 1))
     consts = dict(HAS_BIAS=False, HAS_SILU=True, GATED=False, NORM_HEAD=0, IS_SPLIT=False, USE_DOT=True, EVEN_M=False,
-                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True)  # fmt: skip
-    ptrs = {n: bf16 for n in ("x", "w", "bias", "y", "gate", "norm_w")} | {"partial": "*fp32"}
-    out.append(("linear tensor-core, fused input (8856 x 1536)", linear, argument_types(linear, consts, ptrs, ("eps",)),
-                consts, 4, 4))  # fmt: skip
+                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True,
+                  **no_add)  # fmt: skip
+    out.append(("linear tensor-core, fused input (8856 x 1536)", linear,
+                argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, 4, 4))  # fmt: skip
     consts = dict(HAS_RESIDUAL=True, BLOCK_R=2, BLOCK_D=2048, PDL=True)
     ptrs = {n: bf16 for n in ("x", "r", "w", "y", "h")}
     out.append(
@@ -115,7 +121,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     ptrs = {n: bf16 for n in ("u", "h", "w2_weight", "w2_bias", "conv_state", "q", "k", "a", "b", "o")}
     ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}
     out.append(("jet_mixer decode (fused), 1 row", jet_mixer, argument_types(jet_mixer, consts, ptrs, ("scale",)),
-                consts, 2, 3))  # fmt: skip
+                consts, 4, 3))  # fmt: skip
     consts = dict(ATTN=True, SWA=True, BLOCK_COLS=256, BLOCK_RING=128)
     ptrs = {"positions": "*i64", "rows": "*i32", "seq_ends": "*i64", "state_indices": "*i32", "block_table": "*i32",
             "slot_mapping": "*i64", "tables": "*i32", "swa_slot_mapping": "*i64", "swa_tables": "*i32"}  # fmt: skip

@@ -8,7 +8,8 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.linear import reference
-from jetserve.ops.norm import gated_rms_norm, silu_and_mul
+from jetserve.ops.linear.reference import AddNorm
+from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul
 
 GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs for any weight; past it, F.linear (cuBLAS)
 WIDE_MAX_ROWS = 64  # ... and up to which it runs for a weight of at least WIDE_MIN_N output features
@@ -18,46 +19,61 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu_cols: int = 0
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_cols: int = 0,
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype, SiLU on output columns
-    [0, silu_cols). See `reference.linear`.
+    [0, silu_cols). With `add_norm` = (residual [M, N], norm_weight [N], eps) → `rms_norm(y, norm_weight, eps,
+    residual)`'s pair (normed, y + residual), in the Triton launch's epilogue. See `reference.linear`.
 
     Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
-    fp16/bf16/fp32 and autograd does not need the product; else `F.linear`.
+    fp16/bf16/fp32 and autograd does not need the product; else `F.linear` (then `rms_norm`).
     """
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.linear(x, weight, bias, silu_cols=silu_cols)
-    return reference.linear(x, weight, bias, silu_cols=silu_cols)
+        return kernels.linear(x, weight, bias, silu_cols=silu_cols, add_norm=add_norm)
+    return reference.with_add_norm(reference.linear(x, weight, bias, silu_cols=silu_cols), add_norm, rms_norm)
 
 
-def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def swiglu_linear(
+    x: torch.Tensor, weight: torch.Tensor, *, add_norm: AddNorm | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2K] = [gate | up] → `silu(gate) * up` times weight [N, K]ᵀ, [M, N] in x.dtype: one Triton launch under
-    the same conditions as `linear`, else `silu_and_mul` then `F.linear`. See `reference.swiglu_linear`."""
+    the same conditions as `linear`, else `silu_and_mul` then `F.linear`. `add_norm` as `linear`'s. See
+    `reference.swiglu_linear`."""
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.swiglu_linear(x, weight)
-    return linear(silu_and_mul(x), weight)
+        return kernels.swiglu_linear(x, weight, add_norm=add_norm)
+    return linear(silu_and_mul(x), weight, add_norm=add_norm)
 
 
 def gated_norm_linear(
-    o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> torch.Tensor:
+    o: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """o, gate [M, H·V] → `gated_rms_norm` over heads of V (norm_weight [V]) times weight [N, H·V]ᵀ, [M, N] in
     o.dtype: one Triton launch under the same conditions as `linear` (and V a power of two), else `gated_rms_norm`
-    then `linear`. See `reference.gated_norm_linear`."""
+    then `linear`. `add_norm` as `linear`'s. See `reference.gated_norm_linear`."""
     head = norm_weight.shape[0]
     if _takes_triton(o, weight) and o.dim() == 2 and head & (head - 1) == 0:
         from jetserve.ops.linear import kernels
 
-        return kernels.gated_norm_linear(o, gate, norm_weight, eps, weight)
+        return kernels.gated_norm_linear(o, gate, norm_weight, eps, weight, add_norm=add_norm)
     num_rows, width = o.shape
     shape = (num_rows, width // head, head)  # [M, H, V]
     y = gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps)
-    return linear(y.reshape(num_rows, width), weight)
+    return linear(y.reshape(num_rows, width), weight, add_norm=add_norm)
 
 
 def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.linear.reference import check_gated_norm_linear, check_linear, check_swiglu_linear
+from jetserve.ops.linear.reference import (
+    AddNorm,
+    check_add_norm,
+    check_gated_norm_linear,
+    check_linear,
+    check_swiglu_linear,
+)
+from jetserve.ops.norm import reference as norm_reference
 from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
@@ -60,10 +67,20 @@ def _linear_kernel(
     stride_gm,
     norm_w,
     eps,
+    residual,  # ADD_NORM: [M, N], the residual stream added to the output
+    stride_rm,
+    h,  # ADD_NORM: [M, N] out, output + residual (the new residual stream)
+    sumsq,  # ADD_NORM: [M, programs along N] fp32 scratch, each program's sum of h² over its columns
+    ticket,  # ADD_NORM: [1] int32, 0 between launches
+    out_w,  # ADD_NORM: [N], the RMSNorm's weight
+    out_eps,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
     NORM_HEAD: tl.constexpr,  # > 0: the input is gated_rms_norm(x, norm_w, gate) over heads of NORM_HEAD columns
+    ADD_NORM: tl.constexpr,  # y = rms_norm(output + residual, out_w): the last program to finish normalises the rows
+    BLOCK_ROW: tl.constexpr,  # ADD_NORM: next power of two ≥ N (a whole row in one tile)
+    BLOCK_P: tl.constexpr,  # ADD_NORM: next power of two ≥ the programs along N
     IS_SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -141,7 +158,43 @@ def _linear_kernel(
             b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         if HAS_SILU:
             b_y = tl.where(o_n[None, :] < silu_cols, b_y * tl.sigmoid(b_y), b_y)
-        tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
+        if ADD_NORM:
+            _add_norm_epilogue(b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M,
+                               N, BLOCK_ROW, BLOCK_P)  # fmt: skip
+        else:
+            tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
+
+
+@triton.jit
+def _add_norm_epilogue(
+    b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M, N,
+    BLOCK_ROW: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """`rms_norm(b_y, out_w, out_eps, residual)` for the rows of a launch whose programs each hold BLOCK_N columns
+    of b_y [BLOCK_M, BLOCK_N] (fp32, before its rounding). Each program writes its columns of h = round(b_y) + residual
+    (rounded, as the norm's add) and its rows' sums of h² over them, then takes a ticket; the last program to take one
+    sums each row's partial sums in program order (deterministic: no float atomics), writes the normalised rows and
+    puts the ticket counter back to 0. The ticket's acquire-release makes every program's stores visible to the last."""
+    i_n = tl.program_id(0)
+    num_pn = tl.num_programs(0)
+    o_y = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    b_r = tl.load(residual + o_m.to(tl.int64)[:, None] * stride_rm + o_n[None, :], mask=m_y, other=0.0)
+    b_h = (b_y.to(y.dtype.element_ty).to(tl.float32) + b_r.to(tl.float32)).to(y.dtype.element_ty)
+    tl.store(h + o_y, b_h, mask=m_y)
+    b_h32 = tl.where(m_y, b_h.to(tl.float32), 0.0)
+    tl.store(sumsq + o_m * num_pn + i_n, tl.sum(b_h32 * b_h32, axis=1), mask=m_m)
+    if tl.atomic_add(ticket, 1, sem="acq_rel") == num_pn - 1:
+        o_p = tl.arange(0, BLOCK_P)
+        o_c = tl.arange(0, BLOCK_ROW)
+        m_c = o_c < N
+        b_w = tl.load(out_w + o_c, mask=m_c, other=0.0).to(tl.float32)
+        for row in range(M):
+            b_ss = tl.load(sumsq + row * num_pn + o_p, mask=o_p < num_pn, other=0.0, cache_modifier=".cg")
+            rstd = tl.rsqrt(tl.sum(b_ss, axis=0) / N + out_eps)
+            b_row = tl.load(h + row.to(tl.int64) * N + o_c, mask=m_c, other=0.0, cache_modifier=".cg")
+            b_out = b_w * (b_row.to(tl.float32) * rstd)
+            tl.store(y + row.to(tl.int64) * N + o_c, b_out.to(y.dtype.element_ty), mask=m_c)
+        tl.atomic_xchg(ticket, 0)
 
 
 @triton.jit
@@ -153,8 +206,14 @@ def _split_sum_kernel(
     N,
     num_splits,
     silu_cols,
+    residual,  # ADD_NORM: as `_linear_kernel`'s
+    stride_rm,
+    h,
+    out_w,
+    out_eps,
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,
+    ADD_NORM: tl.constexpr,  # a program holds a whole row (BLOCK_N ≥ N): it normalises the row itself
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -169,6 +228,13 @@ def _split_sum_kernel(
         b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)
     if HAS_SILU:
         b_y = tl.where(o_n < silu_cols, b_y * tl.sigmoid(b_y), b_y)
+    if ADD_NORM:  # rms_norm's add (rounded) and its fp32 normalisation, with the row in registers
+        b_r = tl.load(residual + i_m * stride_rm + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_h = (b_y.to(y.dtype.element_ty).to(tl.float32) + b_r).to(y.dtype.element_ty)
+        tl.store(h + i_m * N + o_n, b_h, mask=m_n)
+        b_h32 = tl.where(m_n, b_h.to(tl.float32), 0.0)
+        rstd = tl.rsqrt(tl.sum(b_h32 * b_h32, axis=0) / N + out_eps)
+        b_y = tl.load(out_w + o_n, mask=m_n, other=0.0).to(tl.float32) * (b_h32 * rstd)
     tl.store(y + i_m * N + o_n, b_y.to(y.dtype.element_ty), mask=m_n)
     pdl_exit(PDL)
 
@@ -241,8 +307,10 @@ def linear(
     *,
     silu_cols: int = 0,
     tiling: GemvTiling | None = None,
-) -> torch.Tensor:
-    """`y = x @ weightᵀ + bias`, fp32 accumulation, one rounding to x.dtype; see `reference.linear`.
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`y = x @ weightᵀ + bias`, fp32 accumulation, one rounding to x.dtype; see `reference.linear`. With `add_norm`
+    = (residual [M, N], norm_weight [N], eps): `rms_norm(y, norm_weight, eps, residual)`'s pair in the same launch.
 
     x [M, K] (any leading dims; rows may be strided, K must have unit stride or x is copied), weight [N, K], bias [N] or
     None → y [M, N] in x.dtype. `silu_cols` > 0 applies SiLU to output columns [0, silu_cols) before the rounding.
@@ -250,15 +318,17 @@ def linear(
     (`choose_tiling`), for tests and tuning.
     """
     check_linear(x, weight, bias, silu_cols)
-    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols)
+    return _linear(x, weight, bias, tiling, gated=False, silu_cols=silu_cols, add_norm=add_norm)
 
 
-def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None) -> torch.Tensor:
+def swiglu_linear(
+    x: torch.Tensor, weight: torch.Tensor, *, tiling: GemvTiling | None = None, add_norm: AddNorm | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`silu(x[:, :K]) * x[:, K:]` (rounded to x.dtype, as `silu_and_mul`) times weightᵀ in one launch: the MLP's
     activation and down projection, without the [M, K] activation written and read back. x [M, 2K] (any leading
-    dims), weight [N, K] → [M, N] in x.dtype; see `reference.swiglu_linear`."""
+    dims), weight [N, K] → [M, N] in x.dtype; see `reference.swiglu_linear`. `add_norm` as `linear`'s."""
     check_swiglu_linear(x, weight)
-    return _linear(x, weight, None, tiling, gated=True)
+    return _linear(x, weight, None, tiling, gated=True, add_norm=add_norm)
 
 
 def gated_norm_linear(
@@ -269,10 +339,11 @@ def gated_norm_linear(
     weight: torch.Tensor,
     *,
     tiling: GemvTiling | None = None,
-) -> torch.Tensor:
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`gated_rms_norm` over heads of V = norm_weight's size, then times weightᵀ, in one launch: the JetBlock's output
     norm and o_proj. o and gate [M, H·V] (gate may be a strided view), norm_weight [V] (a power of two), weight
-    [N, H·V] → [M, N] in o.dtype; see `reference.gated_norm_linear`."""
+    [N, H·V] → [M, N] in o.dtype; see `reference.gated_norm_linear`. `add_norm` as `linear`'s."""
     check_gated_norm_linear(o, gate, norm_weight, weight)
     head = norm_weight.shape[0]
     num_rows, k = o.shape
@@ -280,7 +351,7 @@ def gated_norm_linear(
     if t.block_k % head:  # a tile must hold whole heads
         t = dataclasses.replace(t, block_k=max(t.block_k, head))
     norm = (gate if gate.stride(-1) == 1 else gate.contiguous(), norm_weight.contiguous(), float(eps), head)
-    return _linear(o, weight, None, t, gated=False, norm=norm)
+    return _linear(o, weight, None, t, gated=False, norm=norm, add_norm=add_norm)
 
 
 def _linear(
@@ -291,7 +362,8 @@ def _linear(
     gated: bool,
     silu_cols: int = 0,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None = None,
-) -> torch.Tensor:
+    add_norm: AddNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     lead, k = x.shape[:-1], weight.shape[1]
     n = weight.shape[0]
     num_rows = math.prod(lead)
@@ -301,6 +373,24 @@ def _linear(
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if add_norm is not None:
+        check_add_norm(add_norm, (*lead, n), x.dtype)
+        residual, out_w, out_eps = add_norm
+        residual = residual.reshape(num_rows, n)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        if num_rows == 0 or n == 0 or k == 0:  # no kernel: the reference's composition
+            y = _linear(x, weight, bias, tiling, gated, silu_cols, norm).reshape(num_rows, n)
+            out, h = norm_reference.rms_norm(y, out_w, out_eps, residual)
+            return out.view(*lead, n), h.view(*lead, n)
+        h = torch.empty_like(y)  # [M, N]
+        for start in range(0, num_rows, MAX_BLOCK_M):
+            rows = min(MAX_BLOCK_M, num_rows - start)
+            rows_norm = None if norm is None else (norm[0][start : start + rows], *norm[1:])
+            rows_add = (residual[start : start + rows], out_w, float(out_eps), h[start : start + rows])
+            _launch(x2[start : start + rows], weight, bias, y[start : start + rows], tiling, gated, silu_cols,
+                    rows_norm, rows_add)  # fmt: skip
+        return y.view(*lead, n), h.view(*lead, n)
     if num_rows == 0 or n == 0:
         return y.view(*lead, n)
     if k == 0:  # an empty sum: the kernels' addressing assumes at least one column
@@ -324,6 +414,7 @@ def _launch(
     gated: bool,
     silu_cols: int,
     norm: tuple[torch.Tensor, torch.Tensor, float, int] | None,
+    add: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None,  # (residual, out_w, out_eps, h)
 ) -> None:
     num_rows = x.shape[0]
     n, k = weight.shape
@@ -335,8 +426,16 @@ def _launch(
     num_splits = triton.cdiv(num_tiles, tiles_per_split)
     is_split = num_splits > 1
     partial = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=x.device) if is_split else y
+    programs_n = triton.cdiv(n, t.block_n)
+    add_in_gemm = add is not None and not is_split  # split: the sum's launch holds whole rows and adds instead
+    if add_in_gemm:
+        residual, out_w, out_eps, h = add
+        sumsq = torch.empty(num_rows, programs_n, dtype=torch.float32, device=x.device)  # [M, programs along N]
+        ticket = _ticket(x.device)
+    else:
+        residual, out_w, out_eps, h, sumsq, ticket = y, y, 0.0, y, partial, y
     pdl = pdl_launch(x)
-    _linear_kernel[(triton.cdiv(n, t.block_n), num_splits)](
+    _linear_kernel[(programs_n, num_splits)](
         x,
         weight,
         bias if bias is not None else y,
@@ -353,10 +452,20 @@ def _launch(
         norm[0].stride(0) if norm else 0,
         norm[1] if norm else x,
         norm[2] if norm else 0.0,
+        residual,
+        residual.stride(0),
+        h,
+        sumsq,
+        ticket,
+        out_w,
+        out_eps,
         HAS_BIAS=bias is not None,
         HAS_SILU=silu_cols > 0,
         GATED=gated,
         NORM_HEAD=norm[3] if norm else 0,
+        ADD_NORM=add_in_gemm,
+        BLOCK_ROW=triton.next_power_of_2(n) if add_in_gemm else 1,
+        BLOCK_P=triton.next_power_of_2(programs_n) if add_in_gemm else 1,
         IS_SPLIT=is_split,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,
@@ -370,7 +479,9 @@ def _launch(
         **pdl,
     )
     if is_split:
-        block_n = min(1024, triton.next_power_of_2(n))
+        # a whole row per program to normalise it; else up to 1024 columns
+        block_n = triton.next_power_of_2(n) if add is not None else min(1024, triton.next_power_of_2(n))
+        residual, out_w, out_eps, h = add if add is not None else (y, y, 0.0, y)
         _split_sum_kernel[(num_rows, triton.cdiv(n, block_n))](
             partial,
             bias if bias is not None else y,
@@ -379,8 +490,24 @@ def _launch(
             n,
             num_splits,
             silu_cols,
+            residual,
+            residual.stride(0),
+            h,
+            out_w,
+            out_eps,
             HAS_BIAS=bias is not None,
             HAS_SILU=silu_cols > 0,
+            ADD_NORM=add is not None,
             BLOCK_N=block_n,
             **pdl,
         )
+
+
+@functools.cache
+def _ticket(device: torch.device) -> torch.Tensor:
+    """The add-norm epilogue's ticket counter on `device`: [1] int32, allocated (zeroed) once, eagerly — a first use
+    inside a CUDA graph capture would allocate it in the graph's pool — and put back to 0 by every launch that uses
+    it. Launches on one stream run one after another, so they share it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("linear add_norm: run it once eagerly before capturing a CUDA graph (its ticket counter)")
+    return torch.zeros(1, dtype=torch.int32, device=device)

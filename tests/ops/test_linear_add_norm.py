@@ -163,3 +163,14 @@ def test_add_norm_2b_shapes_bf16_and_in_a_graph(kernels, mode, num_rows) -> None
         residual.copy_(randn(num_rows, n, dtype=dtype, seed=seed, scale=2.0))
         graph.replay()
         assert_pair(captured, reference(add))
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0), (70, 8), (2, 3, 8)])
+def test_add_norm_edges(kernels, shape) -> None:
+    """No rows, no input features (no kernel: the composition), more rows than one launch holds (two launches share
+    the ticket counter), leading dims, and a residual whose last dim is strided (copied)."""
+    x = randn(*shape, dtype=torch.float32, seed=40)
+    weight = randn(5, shape[-1], dtype=torch.float32, seed=41)
+    residual = randn(5, *shape[:-1], dtype=torch.float32, seed=42).movedim(0, -1)  # [..., 5], last stride > 1
+    add = (residual, randn(5, dtype=torch.float32, seed=43), EPS)
+    assert_pair(kernels.linear(x, weight, add_norm=add), ref.linear(x, weight, add_norm=add))

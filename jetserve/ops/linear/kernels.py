@@ -188,12 +188,12 @@ def _add_norm_epilogue(
         o_c = tl.arange(0, BLOCK_ROW)
         m_c = o_c < N
         b_w = tl.load(out_w + o_c, mask=m_c, other=0.0).to(tl.float32)
-        for row in range(M):
+        for row in range(M):  # row * N fits 32 bits: a launch holds at most MAX_BLOCK_M rows
             b_ss = tl.load(sumsq + row * num_pn + o_p, mask=o_p < num_pn, other=0.0, cache_modifier=".cg")
             rstd = tl.rsqrt(tl.sum(b_ss, axis=0) / N + out_eps)
-            b_row = tl.load(h + row.to(tl.int64) * N + o_c, mask=m_c, other=0.0, cache_modifier=".cg")
+            b_row = tl.load(h + row * N + o_c, mask=m_c, other=0.0, cache_modifier=".cg")
             b_out = b_w * (b_row.to(tl.float32) * rstd)
-            tl.store(y + row.to(tl.int64) * N + o_c, b_out.to(y.dtype.element_ty), mask=m_c)
+            tl.store(y + row * N + o_c, b_out.to(y.dtype.element_ty), mask=m_c)
         tl.atomic_xchg(ticket, 0)
 
 

@@ -35,6 +35,16 @@ def pdl() -> bool:
     return value == "1"
 
 
+def add_norm_epilogue() -> bool:
+    """JETSERVE_ADD_NORM_EPILOGUE=1: the Triton skinny GEMM that produces a layer's output (o_proj, down) also adds the
+    residual and runs the next RMSNorm in its epilogue (`ops.linear`'s `add_norm`). Off by default: not yet measured
+    on a GPU; off, the norm runs as its own launch after the GEMM."""
+    value = os.environ.get("JETSERVE_ADD_NORM_EPILOGUE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JETSERVE_ADD_NORM_EPILOGUE: {value!r} is not 0 or 1")
+    return value == "1"
+
+
 def fused_mixer() -> bool:
     """A JetBlock's decode conv and gated delta rule as one Triton launch at batch 1 (`jetserve.ops.jet_mixer`): on by
     default (the 2B's batch-1 step 1.62 → 1.55 ms on an H200, session 22); JETSERVE_FUSED_MIXER=0 turns it off."""

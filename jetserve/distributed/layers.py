@@ -9,11 +9,14 @@ from torch.nn import functional as F
 
 from jetserve.distributed.group import TensorParallelGroup
 from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
+from jetserve.ops.linear.reference import AddNorm, with_add_norm
+from jetserve.ops.norm import rms_norm
 
 
 class RowParallelLinear(nn.Module):
     """`y = all_reduce(x_local W_localᵀ)`: the rank holds the input columns of its heads (or MLP channels), so its
-    product is a partial sum of the full output. No bias (o_proj and down_proj have none)."""
+    product is a partial sum of the full output. No bias (o_proj and down_proj have none). With `add_norm` the next
+    RMSNorm runs after the all-reduce (its residual add needs the whole sum), as its own op."""
 
     def __init__(self, in_features: int, out_features: int, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -21,18 +24,26 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in_local]
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
+    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None):
+        y = self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
+        return with_add_norm(y, add_norm, rms_norm)
 
     def forward_gated_norm(
-        self, o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
+        self,
+        o: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        add_norm: AddNorm | None = None,
+    ):
         """`self(gated_rms_norm(o, norm_weight, gate))` for this rank's heads, the norm fused into the GEMM."""
-        return self.group.all_reduce(gated_norm_linear(o, gate, norm_weight, eps, self.weight))  # [T, out]
+        y = self.group.all_reduce(gated_norm_linear(o, gate, norm_weight, eps, self.weight))  # [T, out]
+        return with_add_norm(y, add_norm, rms_norm)
 
-    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_swiglu(self, gate_up: torch.Tensor, add_norm: AddNorm | None = None):
         """`self(silu(gate) * up)` for this rank's [gate | up] channels, the activation fused into the GEMM."""
-        return self.group.all_reduce(swiglu_linear(gate_up, self.weight))  # [T, out]
+        y = self.group.all_reduce(swiglu_linear(gate_up, self.weight))  # [T, out]
+        return with_add_norm(y, add_norm, rms_norm)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}"

@@ -8,8 +8,9 @@ from torch import nn
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.fusion import InputProjections
-from jetserve.model.layers import Linear
+from jetserve.model.layers import Linear, Output
 from jetserve.ops.attention import apply_rope, attention_decode, attention_prefill, attention_verify, kv_cache_commit
+from jetserve.ops.linear.reference import AddNorm
 
 
 def rotated_qkv(
@@ -52,7 +53,8 @@ class Attention(InputProjections, nn.Module):
     def input_projections(self) -> tuple[nn.Linear, ...]:
         return self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, add_norm: AddNorm | None = None) -> Output:
+        """[T, hidden], or with `add_norm` the next RMSNorm's pair (`layers.Linear`)."""
         assert self.k_cache is not None, f"layer {self.layer_id}: no K/V cache bound"
         q, k, v = rotated_qkv(self, x, fb.positions, self.cos_sin)
         meta = fb.swa_kv if self.is_sliding else fb.kv
@@ -75,7 +77,7 @@ class Attention(InputProjections, nn.Module):
             o = attention_verify(
                 q, k, v, *caches, fb.tree_mask, fb.context_lens, meta.block_tables, meta.slot_mapping, **kwargs
             )
-        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))  # [T, hidden]
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim), add_norm)  # [T, hidden]
 
     def commit(
         self, meta: KVMetadata, prefix_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor

@@ -8,10 +8,11 @@ from torch import nn
 from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections
-from jetserve.model.layers import Linear
+from jetserve.model.layers import Linear, Output
 from jetserve.ops.dynamic_conv import dynamic_conv_commit, dynamic_conv_prefill, dynamic_conv_verify
 from jetserve.ops.gated_delta_rule import gated_delta_rule_commit, gated_delta_rule_prefill, gated_delta_rule_verify
 from jetserve.ops.jet_mixer import jet_mixer_decode
+from jetserve.ops.linear.reference import AddNorm
 
 
 class KernelGenerator(nn.Module):
@@ -69,7 +70,8 @@ class JetBlock(InputProjections, nn.Module):
         return (self.q_proj, self.k_proj, self.dynamic_conv1d.kernel_generator.w1,
                 self.v_proj, self.a_proj, self.b_proj, self.g_proj)  # fmt: skip
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, add_norm: AddNorm | None = None) -> Output:
+        """[T, hidden], or with `add_norm` the next RMSNorm's pair (`layers.Linear`)."""
         assert self.conv_state is not None, f"layer {self.layer_id}: no JetBlock state bound"
         T, H, K, V = x.shape[0], self.num_heads, self.head_k_dim, self.head_v_dim
         generator = self.dynamic_conv1d.kernel_generator
@@ -95,7 +97,8 @@ class JetBlock(InputProjections, nn.Module):
             o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)
             self.verify_inputs = (u, k, v, a, b)
         # o_proj(gated_rms_norm(o, o_norm.weight, gate)): the per-head norm runs in the GEMM's prologue
-        return self.o_proj.forward_gated_norm(o.reshape(T, D_v), gate, self.o_norm.weight, self.norm_eps)  # [T, hidden]
+        out = o.reshape(T, D_v)
+        return self.o_proj.forward_gated_norm(out, gate, self.o_norm.weight, self.norm_eps, add_norm)  # [T, hidden]
 
     def commit(self, state_indices: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Advance the committed conv window and recurrent state along each sequence's accepted path of the last

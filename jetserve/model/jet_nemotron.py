@@ -27,25 +27,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        fb: ForwardBatch,
-        captured: list[torch.Tensor] | None = None,
+        self, x: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, next_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`hidden` is the previous layer's un-added output (the embedding for layer 0, `residual` None). With
-        `captured`, the layer's input hidden states (hidden + residual, [T, hidden]) are appended to it: the input
-        norm's residual output, a tensor of its own, so capturing launches nothing."""
-        if residual is None:
-            residual = hidden
-            x = self.input_layernorm(hidden)
-        else:
-            x, residual = self.input_layernorm(hidden, residual)
-        if captured is not None:
-            captured.append(residual)
-        hidden = self.self_attn(x, fb)
-        x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(x), residual
+        """`x` is this layer's normed input and `residual` its input hidden states (the residual stream), [T, hidden]
+        each. Returns the same pair for the layer after it: `next_norm` is that layer's input norm (the model's final
+        norm after the last layer). Each residual add and RMSNorm goes to the GEMM that produces its input (o_proj,
+        down: `ops.linear`'s `add_norm`), which runs it in its epilogue or as the norm op after it."""
+        post = self.post_attention_layernorm
+        x, residual = self.self_attn(x, fb, (residual, post.weight, post.eps))
+        return self.mlp(x, (residual, next_norm.weight, next_norm.eps))
 
 
 class JetNemotronModel(nn.Module):
@@ -93,13 +83,17 @@ class JetNemotronForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the final-normed hidden states [T, hidden] of every token in the batch."""
         hidden = self.model.embed_tokens(fb.input_ids) if input_embeds is None else input_embeds  # [T, hidden]
-        residual = None
+        layers = self.model.layers
+        x, residual = layers[0].input_layernorm(hidden), hidden
+        # a capture layer's feature is its input hidden states: the residual stream entering it, a tensor of its own
         captured: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, fb, captured if i in fb.capture_layers else None)
+        for i, layer in enumerate(layers):
+            if i in fb.capture_layers:
+                captured.append(residual)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, residual = layer(x, residual, fb, next_norm)
         self.aux_hidden_states = captured
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return x
 
     def commit_verified(self, fb: ForwardBatch, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After a VERIFY step `fb`: keep only each sequence's accepted path (`accepted_nodes` [N, T_d] node indices,

@@ -7,28 +7,38 @@ from torch import nn
 
 from jetserve.model.fusion import InputProjections
 from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
+from jetserve.ops.linear.reference import AddNorm
 from jetserve.ops.norm import rms_norm
+
+# A producer's output: its tensor, or with `add_norm` the next RMSNorm's pair (normed, output + residual).
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class Linear(nn.Linear):
     """nn.Linear through `ops.linear` (the Triton skinny GEMM for decode-sized inputs, cuBLAS otherwise); same
     parameters and state_dict names."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> Output:
+        """`add_norm` = (residual, norm weight, eps): the next RMSNorm's pair instead (`ops.linear`)."""
+        return linear(x, self.weight, self.bias, add_norm=add_norm)
 
     def forward_gated_norm(
-        self, o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
+        self,
+        o: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        add_norm: AddNorm | None = None,
+    ) -> Output:
         """`self(gated_rms_norm(o, norm_weight, gate))` for o, gate [T, H·V] (heads of V = norm_weight's size), the
         norm fused into the GEMM."""
         assert self.bias is None, "the fused gated-norm GEMM has no bias"
-        return gated_norm_linear(o, gate, norm_weight, eps, self.weight)
+        return gated_norm_linear(o, gate, norm_weight, eps, self.weight, add_norm=add_norm)
 
-    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_swiglu(self, gate_up: torch.Tensor, add_norm: AddNorm | None = None) -> Output:
         """`self(silu(gate) * up)` for gate_up [T, 2 in] = [gate | up], the activation fused into the GEMM."""
         assert self.bias is None, "the fused SwiGLU GEMM has no bias"
-        return swiglu_linear(gate_up, self.weight)
+        return swiglu_linear(gate_up, self.weight, add_norm=add_norm)
 
 
 class RMSNorm(nn.Module):
@@ -56,6 +66,6 @@ class MLP(InputProjections, nn.Module):
     def input_projections(self) -> tuple[nn.Linear, ...]:
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> Output:
         gate_up = self.project(x)  # [T, 2I]
-        return self.down_proj.forward_swiglu(gate_up)  # [T, hidden]: down(silu(gate) * up)
+        return self.down_proj.forward_swiglu(gate_up, add_norm)  # [T, hidden]: down(silu(gate) * up)

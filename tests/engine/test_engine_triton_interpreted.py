@@ -60,8 +60,10 @@ def test_triton_engine_generates_what_the_reference_engine_does(
 ):
     """Two prompts (a batch) or one (batch 1: the fused mixer, asked for), plainly, verifying a chain draft at every
     step, or keeping the draft ready while decoding plainly; the Triton launches counted, so none is skipped, and the
-    draft's ring and hidden states compared, since speculation's output is exact whatever the draft holds."""
+    draft's ring and hidden states compared, since speculation's output is exact whatever the draft holds. The lone
+    prompt's steps also run the norms in the GEMM epilogues (JETSERVE_ADD_NORM_EPILOGUE=1)."""
     monkeypatch.setenv("JETSERVE_FUSED_MIXER", "1")
+    monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", "1" if lone else "0")
     calls = collections.Counter()
     for module, name in ((kv_metadata_kernels, "kv_metadata"), (feature_ring_store, "store_features"),
                          (jet_mixer_decode, "jet_mixer_decode")):  # fmt: skip

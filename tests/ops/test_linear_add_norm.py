@@ -107,8 +107,11 @@ def test_reference_is_linear_then_rms_norm_and_checks() -> None:
         ref.linear(x, weight, add_norm=(residual, norm_weight[:4], EPS))
 
 
-def test_dispatch_passes_add_norm_to_either_variant() -> None:
-    """The public op: the pair on the reference backend, and (in the interpreter) on the Triton backend too."""
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_dispatch_passes_add_norm_to_either_variant(monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """The public op: the pair on the reference backend, and (in the interpreter) on the Triton backend too, in the
+    epilogue (JETSERVE_ADD_NORM_EPILOGUE=1) or as the norm op after the GEMM."""
+    monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", flag)
     x, weight = randn(1, 24, dtype=torch.float32, seed=15), randn(10, 24, dtype=torch.float32, seed=16)
     add = add_norm_args(1, 10, torch.float32, seed=17)
     want = ref.linear(x, weight, add_norm=add)
@@ -174,3 +177,14 @@ def test_add_norm_edges(kernels, shape) -> None:
     residual = randn(5, *shape[:-1], dtype=torch.float32, seed=42).movedim(0, -1)  # [..., 5], last stride > 1
     add = (residual, randn(5, dtype=torch.float32, seed=43), EPS)
     assert_pair(kernels.linear(x, weight, add_norm=add), ref.linear(x, weight, add_norm=add))
+
+
+def test_epilogue_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JETSERVE_ADD_NORM_EPILOGUE: off by default, 1 on, anything else refused."""
+    monkeypatch.delenv("JETSERVE_ADD_NORM_EPILOGUE", raising=False)
+    assert not envs.add_norm_epilogue()
+    monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", "1")
+    assert envs.add_norm_epilogue()
+    monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", "yes")
+    with pytest.raises(ValueError, match="JETSERVE_ADD_NORM_EPILOGUE"):
+        envs.add_norm_epilogue()

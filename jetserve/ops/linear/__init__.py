@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from jetserve import envs
 from jetserve.ops.backend import use_triton
 from jetserve.ops.linear import reference
 from jetserve.ops.linear.reference import AddNorm
@@ -28,7 +29,8 @@ def linear(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype, SiLU on output columns
     [0, silu_cols). With `add_norm` = (residual [M, N], norm_weight [N], eps) → `rms_norm(y, norm_weight, eps,
-    residual)`'s pair (normed, y + residual), in the Triton launch's epilogue. See `reference.linear`.
+    residual)`'s pair (normed, y + residual): in the Triton launch's epilogue with JETSERVE_ADD_NORM_EPILOGUE=1, else
+    the norm op after the GEMM. See `reference.linear`.
 
     Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
     fp16/bf16/fp32 and autograd does not need the product; else `F.linear` (then `rms_norm`).
@@ -36,8 +38,9 @@ def linear(
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.linear(x, weight, bias, silu_cols=silu_cols, add_norm=add_norm)
-    return reference.with_add_norm(reference.linear(x, weight, bias, silu_cols=silu_cols), add_norm, rms_norm)
+        fused, after = _split_add_norm(add_norm)
+        return _then(kernels.linear(x, weight, bias, silu_cols=silu_cols, add_norm=fused), after)
+    return _then(reference.linear(x, weight, bias, silu_cols=silu_cols), add_norm)
 
 
 def swiglu_linear(
@@ -49,7 +52,8 @@ def swiglu_linear(
     if _takes_triton(x, weight):
         from jetserve.ops.linear import kernels
 
-        return kernels.swiglu_linear(x, weight, add_norm=add_norm)
+        fused, after = _split_add_norm(add_norm)
+        return _then(kernels.swiglu_linear(x, weight, add_norm=fused), after)
     return linear(silu_and_mul(x), weight, add_norm=add_norm)
 
 
@@ -69,11 +73,24 @@ def gated_norm_linear(
     if _takes_triton(o, weight) and o.dim() == 2 and head & (head - 1) == 0:
         from jetserve.ops.linear import kernels
 
-        return kernels.gated_norm_linear(o, gate, norm_weight, eps, weight, add_norm=add_norm)
+        fused, after = _split_add_norm(add_norm)
+        return _then(kernels.gated_norm_linear(o, gate, norm_weight, eps, weight, add_norm=fused), after)
     num_rows, width = o.shape
     shape = (num_rows, width // head, head)  # [M, H, V]
     y = gated_rms_norm(o.reshape(shape), norm_weight, gate.reshape(shape), eps)
     return linear(y.reshape(num_rows, width), weight, add_norm=add_norm)
+
+
+def _split_add_norm(add_norm: AddNorm | None) -> tuple[AddNorm | None, AddNorm | None]:
+    """(for the Triton launch's epilogue, for the norm op after it): the flag decides which takes `add_norm`."""
+    if add_norm is None:
+        return None, None
+    return (add_norm, None) if envs.add_norm_epilogue() else (None, add_norm)
+
+
+def _then(y, add_norm: AddNorm | None):
+    """y as it is (a tensor, or the epilogue's pair), or `rms_norm`'s pair after it (the op on its own backend)."""
+    return reference.with_add_norm(y, add_norm, rms_norm)
 
 
 def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -377,9 +377,11 @@ def test_model_projections_go_through_the_op(monkeypatch: pytest.MonkeyPatch) ->
     from jetserve.model import fusion, layers
 
     seen = []
-    monkeypatch.setattr(layers, "linear", lambda x, w, b=None: seen.append(("layer", w.shape)) or ref.linear(x, w, b))
     monkeypatch.setattr(
-        layers, "swiglu_linear", lambda x, w: seen.append(("swiglu", w.shape)) or ref.swiglu_linear(x, w)
+        layers, "linear", lambda x, w, b=None, **kw: seen.append(("layer", w.shape)) or ref.linear(x, w, b, **kw)
+    )
+    monkeypatch.setattr(
+        layers, "swiglu_linear", lambda x, w, **kw: seen.append(("swiglu", w.shape)) or ref.swiglu_linear(x, w, **kw)
     )
     monkeypatch.setattr(
         fusion, "linear", lambda x, w, b=None, **kw: seen.append(("fused", w.shape)) or ref.linear(x, w, b, **kw)

@@ -183,7 +183,10 @@ def _add_norm_epilogue(
     tl.store(h + o_y, b_h, mask=m_y)
     b_h32 = tl.where(m_y, b_h.to(tl.float32), 0.0)
     tl.store(sumsq + o_m * num_pn + i_n, tl.sum(b_h32 * b_h32, axis=1), mask=m_m)
-    if tl.atomic_add(ticket, 1, sem="acq_rel") == num_pn - 1:
+    # every thread's stores done before the one thread that takes the ticket releases them (the classic "last block"
+    # pattern: the barrier, then a gpu-scope release; the last program's loads bypass L1)
+    tl.debug_barrier()
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_pn - 1:
         o_p = tl.arange(0, BLOCK_P)
         o_c = tl.arange(0, BLOCK_ROW)
         m_c = o_c < N

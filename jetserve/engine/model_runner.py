@@ -239,7 +239,7 @@ class ModelRunner:
             logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
             if self.spec is not None:  # a decode graph stores them as it replays
                 self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
-        tokens = self.sampler(logits, state_indices, positions + 1, slots)  # [N]
+        tokens = self.sampler.after(logits, state_indices, positions, slots)  # [N]
         return DecodeLaunch.start(seqs, tokens, positions, state_indices, slots, positions_host), logits
 
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -61,6 +63,22 @@ class Sampler:
         indices on the host: their parameters choose the least work that draws the same tokens — an argmax when
         every row is greedy, no top-k/top-p/min-p threshold when no sampled row filters (`sample`'s promises); None
         takes the full path (the memory profile of the largest step)."""
+        return self._draw(logits, state_indices, lambda: counters, slots)
+
+    def after(
+        self, logits: torch.Tensor, state_indices: torch.Tensor, positions: torch.Tensor, slots: np.ndarray | None
+    ) -> torch.Tensor:
+        """A decode step's draw: as `__call__` with counters `positions + 1` [N] (the length each sequence reaches),
+        formed only when a row samples — an all-greedy step launches its argmax alone."""
+        return self._draw(logits, state_indices, lambda: positions + 1, slots)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        state_indices: torch.Tensor,
+        counters: Callable[[], torch.Tensor],
+        slots: np.ndarray | None,
+    ) -> torch.Tensor:
         if slots is None:
             is_sampled = is_filtered = has_greedy = True
         else:
@@ -72,7 +90,7 @@ class Sampler:
             has_greedy = not bool(is_random.all())
         if not is_sampled:
             return logits.argmax(dim=-1)
-        rows = self.rows(state_indices, counters)
+        rows = self.rows(state_indices, counters())
         return sample(
             logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.counters,
             is_filtered=is_filtered, has_greedy=has_greedy,

@@ -62,3 +62,31 @@ def test_sampler_takes_the_least_work_that_draws_the_same_tokens(monkeypatch, pa
     # The full path (no promises) draws the same tokens.
     assert torch.equal(tokens, sampler(logits, state_indices, counters, None))
     assert calls[-1] == dict(is_filtered=True, has_greedy=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_decode_draw_forms_counters_only_when_a_row_samples(temperature) -> None:
+    """`Sampler.after` (a decode step's draw from the positions it cached) equals the draw with counters = positions
+    + 1, and an all-greedy step launches no add for them: only its argmax."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    sampler = make_sampler({1: SamplingParams(temperature=temperature), 2: SamplingParams(temperature=temperature)})
+    slots = np.array([1, 2], dtype=np.int64)
+    state_indices = torch.from_numpy(slots).int()
+    positions = torch.tensor([4, 8], dtype=torch.int64)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5)) * 3  # [N, V]
+    with OpNames() as ops:
+        tokens = sampler.after(logits, state_indices, positions, slots)
+    assert torch.equal(tokens, sampler(logits, state_indices, positions + 1, slots))
+    assert ("add" in ops.names) == (temperature > 0)
+    if temperature == 0:
+        assert ops.names == ["argmax"]

@@ -24,7 +24,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in_local]
         self.group = group
 
-    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None):
+    def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         y = self.group.all_reduce(linear(x, self.weight))  # [T, out], summed over the ranks
         return with_add_norm(y, add_norm, rms_norm)
 
@@ -35,12 +35,14 @@ class RowParallelLinear(nn.Module):
         norm_weight: torch.Tensor,
         eps: float,
         add_norm: AddNorm | None = None,
-    ):
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """`self(gated_rms_norm(o, norm_weight, gate))` for this rank's heads, the norm fused into the GEMM."""
         y = self.group.all_reduce(gated_norm_linear(o, gate, norm_weight, eps, self.weight))  # [T, out]
         return with_add_norm(y, add_norm, rms_norm)
 
-    def forward_swiglu(self, gate_up: torch.Tensor, add_norm: AddNorm | None = None):
+    def forward_swiglu(
+        self, gate_up: torch.Tensor, add_norm: AddNorm | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """`self(silu(gate) * up)` for this rank's [gate | up] channels, the activation fused into the GEMM."""
         y = self.group.all_reduce(swiglu_linear(gate_up, self.weight))  # [T, out]
         return with_add_norm(y, add_norm, rms_norm)

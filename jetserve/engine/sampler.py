@@ -80,16 +80,15 @@ class Sampler:
         slots: np.ndarray | None,
     ) -> torch.Tensor:
         if slots is None:
-            is_sampled = is_filtered = has_greedy = True
+            is_filtered = has_greedy = True
         else:
             host = self._host
             is_random = host["temperature"][slots] > 0  # [N]
-            is_sampled = bool(is_random.any())
+            if not is_random.any():  # all greedy: the argmax alone (the filters are not looked at)
+                return logits.argmax(dim=-1)
             filters = (host["top_k"][slots] > 0) | (host["top_p"][slots] < 1) | (host["min_p"][slots] > 0)  # [N]
             is_filtered = bool((is_random & filters).any())
             has_greedy = not bool(is_random.all())
-        if not is_sampled:
-            return logits.argmax(dim=-1)
         rows = self.rows(state_indices, counters())
         return sample(
             logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.counters,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,20 @@ from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
 if TYPE_CHECKING:
     from jetserve.engine.speculative import SpecDecoder
+
+
+def _inference(fn):
+    """`torch.inference_mode` for a step's entry points, entered only when the caller (`LLMEngine.step`, itself in
+    inference mode) has not: entering it again cost ~2 µs of every decode step's host time."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -142,7 +157,7 @@ class ModelRunner:
 
     # ---- the step ----
 
-    @torch.inference_mode()
+    @_inference
     def run(self, batch: Batch) -> StepOutput:
         """Run one step of any phase and wait for its tokens (the synchronous path)."""
         seqs = batch.seqs
@@ -174,12 +189,12 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
         return out
 
-    @torch.inference_mode()
+    @_inference
     def launch_decode(self, batch: Batch) -> DecodeLaunch:
         """Queue a DECODE step on the device and return without waiting for its tokens."""
         return self._launch_decode(batch)[0]
 
-    @torch.inference_mode()
+    @_inference
     def launch_next(
         self, prev: DecodeLaunch, keep: list[int], seqs: list[Sequence], slots: np.ndarray, positions: np.ndarray
     ) -> DecodeLaunch:

@@ -17,6 +17,8 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
+# compile afresh: this reads the PTX, which a cache packed by scripts/triton_cache.sh (binaries only) does not hold
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import triton  # noqa: E402

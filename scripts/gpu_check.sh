@@ -9,7 +9,7 @@
 #   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
 #   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
-# The compiled Triton kernels come back as OUT_DIR/triton-cache.tar.gz: put it in the ignored .gpu-cache/ and carry
+# The compiled Triton kernels come back as OUT_DIR/triton-cache.tar.xz: put it in the ignored .gpu-cache/ and carry
 # ".gpu-cache" too, and the next call (a fresh machine) starts without recompiling (scripts/triton_cache.sh).
 # Each stage fits one 10-minute call: e.g. `bash scripts/gpu_check.sh $OUT tests`, then `... memcheck,kernels`, then
 # `... offline`.

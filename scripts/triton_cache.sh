@@ -19,10 +19,12 @@ restore_triton_cache() {  # restore_triton_cache [DIR]: unpack DIR/triton-cache.
 }
 save_triton_cache() {  # save_triton_cache OUT: pack the loadable part of the cache into OUT/triton-cache.tar.xz
     [ -n "${TRITON_CACHE_DIR:-}" ] && [ -d "$TRITON_CACHE_DIR" ] || return 0
+    command -v xz > /dev/null || { echo "triton cache: no xz here; not saved"; return 0; }
     local list size
     list=$(mktemp)
     (cd "$TRITON_CACHE_DIR" && find . -type f \( -name "*.json" -o -name "*.cubin" \)) > "$list"
-    tar cf - -C "$TRITON_CACHE_DIR" -T "$list" | xz -T0 -6 > "$1/triton-cache.tar.xz" || { rm -f "$list"; return 0; }
+    tar cf - -C "$TRITON_CACHE_DIR" -T "$list" | xz -T0 -6 > "$1/triton-cache.tar.xz" \
+        || { rm -f "$list" "$1/triton-cache.tar.xz"; return 0; }
     rm -f "$list"
     size=$(stat -c %s "$1/triton-cache.tar.xz")
     if [ "$size" -gt $((15 * 1024 * 1024)) ]; then

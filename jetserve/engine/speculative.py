@@ -49,6 +49,11 @@ MAX_EXPLORE_EVERY = 1024
 # many tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
 # ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~6% of plain decoding's throughput.
 EXPLORE_BUDGET = 0.01
+# Once the policy finds plain decoding best for a bucket, it answers plain for that bucket's next SETTLED_STEPS steps
+# (never past its next exploration) without weighing the options again; new acceptance or a verify step's time ends
+# that early. On the GPU machine's host a speculating engine's plain step cost ~20 µs over a plain engine's (session
+# 22, batch 1), most of it the policy's choice, its step-time median and the ring check redone every step.
+SETTLED_STEPS = 16
 # The draft and verify times (metrics) are measured on every PHASE_TIMING_EVERY-th verify step: four CUDA events and
 # their read-back cost ~60 µs of host time (H200 host, session 19), ~5% of the default pair's verify step.
 PHASE_TIMING_EVERY = 8
@@ -103,7 +108,7 @@ class AdaptivePolicy:
     def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
         self.shapes = shapes
         self.adaptive = adaptive
-        self.step_seconds: dict[tuple[int, int], float] = {}  # (option, bucket) → estimate; option -1 = plain
+        self.medians: dict[tuple[int, int], float] = {}  # (option, bucket) → estimate; option -1 = plain
         self.recent_seconds: dict[tuple[int, int], collections.deque] = {}  # its last TIME_SAMPLES steps
         self.last_used: dict[tuple[int, int], int] = {}
         self.bucket_steps: dict[int, int] = {}
@@ -116,6 +121,8 @@ class AdaptivePolicy:
         self.exploring: dict[int, tuple[int, int]] = {}  # bucket → (step, best option) of an exploration not yet judged
         self.plain_again: set[int] = set()  # buckets whose next step continues an exploration of plain decoding
         self.measured: set[int] = set()  # buckets whose every option has been timed enough (timings are only added)
+        self.plain_until: dict[int, int] = {}  # bucket → step before which it is plain without weighing (SETTLED_STEPS)
+        self.stale: set[tuple[int, int]] = set()  # (option, bucket) timed since its median was last taken
 
     def tokens_per_step(self, option: int) -> float:
         if option < 0:
@@ -132,6 +139,8 @@ class AdaptivePolicy:
         bucket = batch_bucket(num_seqs)
         step = self.bucket_steps.get(bucket, 0)
         self.bucket_steps[bucket] = step + 1
+        if step < self.plain_until.get(bucket, 0):
+            return -1
         if bucket in self.plain_again:
             self.plain_again.discard(bucket)
             return -1
@@ -141,7 +150,8 @@ class AdaptivePolicy:
             if unmeasured:
                 return unmeasured[0]
             self.measured.add(bucket)
-        best = max(options, key=lambda c: self.tokens_per_step(c) / self.step_seconds[(c, bucket)])
+        seconds = self.step_seconds
+        best = max(options, key=lambda c: self.tokens_per_step(c) / seconds[(c, bucket)])
         if bucket in self.exploring:  # the last exploration has been measured: judge it
             started, best_before = self.exploring.pop(bucket)
             interval = self.explore_every.get(bucket, EXPLORE_EVERY)
@@ -157,15 +167,18 @@ class AdaptivePolicy:
             if option < 0:
                 self.plain_again.add(bucket)
             return option
+        if best < 0:
+            self.plain_until[bucket] = min(step + 1 + SETTLED_STEPS, self.next_explore[bucket])
         return best
 
     def budget_steps(self, bucket: int, best: int) -> int:
         """Steps between explorations of `bucket` that keep the costliest one within EXPLORE_BUDGET of the time the
         best option takes over them (at most MAX_EXPLORE_EVERY). An exploration of option c costs t_c less the best
         option's time for c's tokens, t_best · τ_c / τ_best."""
-        t_best = self.step_seconds[(best, bucket)]
+        seconds = self.step_seconds
+        t_best = seconds[(best, bucket)]
         rate = self.tokens_per_step(best) / t_best
-        cost = max(self.step_seconds[(c, bucket)] - self.tokens_per_step(c) / rate
+        cost = max(seconds[(c, bucket)] - self.tokens_per_step(c) / rate
                    for c in [*range(len(self.shapes)), -1] if c != best)  # fmt: skip
         return min(MAX_EXPLORE_EVERY, math.ceil(max(cost, 0.0) / (EXPLORE_BUDGET * t_best)))
 
@@ -176,16 +189,30 @@ class AdaptivePolicy:
         return MIN_PLAIN_SAMPLES if option < 0 else 1
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
+        """Time a step of `option`; its median is taken when the options are next weighed (`step_seconds`)."""
         key = (option, batch_bucket(num_seqs))
-        recent = self.recent_seconds.setdefault(key, collections.deque(maxlen=TIME_SAMPLES))
+        recent = self.recent_seconds.get(key)
+        if recent is None:
+            recent = self.recent_seconds[key] = collections.deque(maxlen=TIME_SAMPLES)
         recent.append(seconds)
-        self.step_seconds[key] = statistics.median(recent)
+        self.stale.add(key)
         self.last_used[key] = self.bucket_steps.get(key[1], 0)
+        if option >= 0:
+            self.plain_until.pop(key[1], None)
+
+    @property
+    def step_seconds(self) -> dict[tuple[int, int], float]:
+        """(option, bucket) → the median of its last TIME_SAMPLES step times, taken now for those timed since."""
+        for key in self.stale:
+            self.medians[key] = statistics.median(self.recent_seconds[key])
+        self.stale.clear()
+        return self.medians
 
     def record_acceptance(self, option: int, accepted_drafts: list[int]) -> None:
         recent = self.recent_accepted[option]
         recent.append((sum(accepted_drafts), len(accepted_drafts)))
         self.mean_accepted[option] = sum(a for a, _ in recent) / sum(n for _, n in recent)
+        self.plain_until.clear()
 
 
 @dataclass
@@ -338,6 +365,10 @@ class SpecDecoder:
         self.stats = SpecStats()
         self.tree_override: TreeOverride | None = None
         self._next_option: int | None = None  # the policy's choice made ahead (`plan_decode_ahead`), not yet used
+        # Steps launched ahead that `plan_decode_ahead` may still take without looking for rings to catch up: a run
+        # of them starts with a step launched from the host (`before_decode`, which resets it) and keeps its rows or
+        # fewer, each one position further a step; only a catch-up changes `draft_len` meanwhile, and it only grows.
+        self._unwrapped_ahead = 0
         # Forced acceptance (benchmarks): every node's token is the sequence's known continuation ("right") or that
         # token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
         self.forced = forced
@@ -384,9 +415,15 @@ class SpecDecoder:
         if option >= 0:
             self._next_option = option
             return False
+        if self._unwrapped_ahead > 0:  # no ring of these rows wraps yet: each is one position further than last time
+            self._unwrapped_ahead -= 1
+            return True
         rows = self.needs_flush(slots_host, positions_host)
         if rows.size:
             self.flush([seqs[i] for i in rows], slots_host[rows], (positions_host[rows] - 1).tolist())
+        # The steps launched ahead after this one (the same rows or fewer, one position further each) before a ring
+        # could wrap: a row wraps at its first step caching p with p − draft_len ≥ ring.
+        self._unwrapped_ahead = int(self.ring - 1 - (positions_host - self.draft_len[slots_host]).max())
         return True
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
@@ -407,6 +444,7 @@ class SpecDecoder:
     def before_decode(self, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray) -> None:
         """Before a plain DECODE step caches position p (positions_host [N] int64, slots_host [N]): a sequence whose
         ring would wrap onto a position the draft has not seen (p − draft_len ≥ ring) catches up first."""
+        self._unwrapped_ahead = 0  # a new run of steps launched ahead checks its rows afresh
         rows = self.needs_flush(slots_host, positions_host)
         if rows.size:
             self.flush([seqs[i] for i in rows], slots_host[rows], positions_host[rows].tolist())

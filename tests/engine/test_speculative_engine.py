@@ -24,6 +24,7 @@ from jetserve.engine.speculative import (
     MAX_EXPLORE_EVERY,
     MIN_PLAIN_SAMPLES,
     PHASE_TIMING_EVERY,
+    SETTLED_STEPS,
     AdaptivePolicy,
     DraftShape,
     draft_shapes,
@@ -400,8 +401,14 @@ def test_adaptive_policy_cost_model():
     policy.record_acceptance(0, [0, 0])
     policy.record_acceptance(1, [0, 0])
     assert policy.choose(4) == -1
-    # High acceptance makes the big tree worth its time: 1 + 5 tokens / 3 s > 1 + 2 / 2 s > 1 / 1 s.
-    policy.mean_accepted = [5.0, 2.0]
+    # Plain decoding settled: the next SETTLED_STEPS steps answer plain without weighing.
+    assert [policy.choose(4) for _ in range(SETTLED_STEPS)] == [-1] * SETTLED_STEPS
+    # High acceptance (the window filled with it) makes the big tree worth its time: 1 + 5 tokens / 3 s > 1 + 2 / 2 s
+    # > 1 / 1 s, at once: new acceptance ends the settled stretch.
+    for _ in range(ACCEPT_WINDOW):
+        policy.record_acceptance(0, [5, 5])
+        policy.record_acceptance(1, [2, 2])
+    assert policy.mean_accepted == [5.0, 2.0]
     assert policy.choose(4) == 0
     # Another bucket is measured on its own; exploration revisits the least recently used option, once within the
     # budget's interval: scheduled when the options were first measured (plain decoding best at 1 s, the big tree's
@@ -459,7 +466,9 @@ def test_one_slow_step_does_not_flip_the_choice_but_a_lasting_change_does():
     assert policy.choose(1) == -1  # a moving average (0.2 weight) would have jumped to 6.8 s and chosen the tree
     for _ in range(2):
         policy.record_step(-1, 1, 30.0)
-    assert policy.choose(1) == 0  # three of the last five plain steps slow: it is slow now
+    # Three of the last five plain steps slow: it is slow now, and the tree is chosen once the settled stretch ends.
+    choices = [policy.choose(1) for _ in range(SETTLED_STEPS + 1)]
+    assert choices[-1] == 0 and set(choices) == {-1, 0}
 
 
 @pytest.mark.parametrize(("tree_seconds", "first", "gaps"), [

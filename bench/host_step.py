@@ -34,7 +34,7 @@ def host_ms(batch_size: int, output_len: int, steps: int) -> float:
     while any(not s.is_decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill with the real forward
     logits = torch.zeros(batch_size, model.config.vocab_size)  # [B, V]
-    engine.runner.decode_logits = lambda input_ids, positions, state_indices: logits[: input_ids.shape[0]]
+    engine.runner.decode_logits = lambda input_ids, positions, state_indices, out=None: logits[: input_ids.shape[0]]
     while engine.scheduler.running[0].num_output_tokens < output_len:
         engine.step()
     start = time.perf_counter()

@@ -57,8 +57,7 @@ class GraphRunner:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
     def _step(self, B: int) -> None:
-        logits = self.runner.decode_logits(self.input_ids[:B], self.positions[:B], self.state_indices[:B])
-        self.logits[:B].copy_(logits)
+        self.runner.decode_logits(self.input_ids[:B], self.positions[:B], self.state_indices[:B], self.logits[:B])
         spec = self.runner.spec
         if spec is not None:  # the draft's target features, into its catch-up ring (padding rows: slot 0)
             spec.store_features(self.positions[:B], self.state_indices[:B], self.runner.model.aux_hidden_states)

@@ -403,10 +403,16 @@ class ModelRunner:
         self._decode_cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=self.device)  # [B_max + 1]
         self._decode_has_state = torch.ones(max_batch, dtype=torch.bool, device=self.device)  # [B_max]
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor):
-        """[B] inputs → logits [B, V] fp32 (what a decode CUDA graph captures)."""
+    def decode_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        state_indices: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B] inputs → logits [B, V] fp32, into `out` when given (what a decode CUDA graph captures)."""
         hidden = self.model(self.decode_forward_batch(input_ids, positions, state_indices))  # [B, hidden]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out)
 
     def verify_kv_metadata(
         self, stored: torch.Tensor, rows: torch.Tensor, seq_ends: torch.Tensor, state_indices: torch.Tensor

@@ -107,9 +107,9 @@ class JetNemotronForCausalLM(nn.Module):
                 meta = fb.swa_kv if layer.kind == "swa" else fb.kv
                 layer.self_attn.commit(meta, prefix_lens, accepted_nodes, num_accepted)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden` [N, hidden] → logits [N, vocab] in fp32."""
-        return logits_linear(hidden, self.lm_head_weight)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden` [N, hidden] → logits [N, vocab] in fp32 (into `out` when given)."""
+        return logits_linear(hidden, self.lm_head_weight, out)
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -467,6 +467,21 @@ def test_logits_linear_is_fp32_product() -> None:
         logits_linear(x, weight[:, :8])
 
 
+def test_logits_linear_into_a_buffer() -> None:
+    """`out`: the logits land in the given fp32 buffer (a decode graph's static rows), which is returned; a buffer of
+    another dtype, shape or layout is refused."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 24, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(50, 24, generator=gen).to(torch.bfloat16)
+    static = torch.full((4, 50), float("nan"))
+    logits = logits_linear(x, weight, static[:3])
+    assert logits.data_ptr() == static.data_ptr()
+    assert torch.equal(static[:3], logits_linear(x, weight)) and static[3].isnan().all()
+    for bad in (torch.empty(3, 50, dtype=torch.bfloat16), torch.empty(3, 49), torch.empty(50, 3).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            logits_linear(x, weight, bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_logits_linear_on_cuda_keeps_the_fp32_accumulator() -> None:
@@ -482,6 +497,9 @@ def test_logits_linear_on_cuda_keeps_the_fp32_accumulator() -> None:
     torch.testing.assert_close(logits.double(), exact, rtol=1e-4, atol=1e-4)
     rounded = torch.nn.functional.linear(x, weight).float()
     assert (logits - exact.float()).abs().max() < (rounded - exact.float()).abs().max() / 4
+    static = torch.full((8, n), float("nan"), device="cuda")  # into a buffer: the same GEMM, no copy
+    assert logits_linear(x, weight, static[:5]).data_ptr() == static.data_ptr()
+    assert torch.equal(static[:5], logits) and static[5:].isnan().all()
 
 
 @pytest.mark.gpu

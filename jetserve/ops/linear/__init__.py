@@ -103,15 +103,19 @@ def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return use_triton(x) and not needs_grad and 1 <= num_rows <= max_rows and x.dtype in _TRITON_DTYPES
 
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, K] against the lm_head weight [V, K] → logits [N, V] fp32. On CUDA with fp16/bf16 operands cuBLAS writes
-    its fp32 accumulator directly (`torch.mm(..., out_dtype=float32)`): logits rounded to bf16 first tie at the top
-    of a large vocabulary often enough to flip greedy tokens between two kernels that round differently (verify and
-    decode), and they cost a second pass to widen. Elsewhere, and on a torch without that GEMM: `reference`."""
+def logits_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] against the lm_head weight [V, K] → logits [N, V] fp32, into `out` (contiguous [N, V] fp32) when
+    given: a decode graph's static buffer, which a copy would cost a pass over (~74 µs at the 2B's batch 256). On
+    CUDA with fp16/bf16 operands cuBLAS writes its fp32 accumulator directly (`torch.mm(..., out_dtype=float32)`):
+    logits rounded to bf16 first tie at the top of a large vocabulary often enough to flip greedy tokens between two
+    kernels that round differently (verify and decode), and they cost a second pass to widen. Elsewhere, and on a
+    torch without that GEMM: `reference`."""
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and _has_fp32_out_gemm(x.device):
-        reference.check_linear(x, weight, None)
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return reference.logits_linear(x, weight)
+        reference.check_logits_out(x, weight, out)
+        if out is None:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+    return reference.logits_linear(x, weight, out)
 
 
 @functools.cache
@@ -119,11 +123,14 @@ def _has_fp32_out_gemm(device: torch.device) -> bool:
     """Whether this torch runs a half-precision GEMM with an fp32 output on `device` (tried once, eagerly: the first
     logits come from a warm-up step, never from inside a graph capture)."""
     a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+    b = torch.ones(4, 8, dtype=torch.bfloat16, device=device).t()
+    into = torch.zeros(2, 4, dtype=torch.float32, device=device)
     try:
-        out = torch.mm(a, torch.ones(4, 8, dtype=torch.bfloat16, device=device).t(), out_dtype=torch.float32)
+        out = torch.mm(a, b, out_dtype=torch.float32)
+        torch.mm(a, b, out_dtype=torch.float32, out=into)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return out.dtype == torch.float32 and bool((out == 8).all())
+    return out.dtype == torch.float32 and bool((out == 8).all()) and bool((into == 8).all())
 
 
 __all__ = [

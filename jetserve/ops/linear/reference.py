@@ -133,8 +133,17 @@ def gated_norm_linear(
     return with_add_norm(F.linear(y.reshape(num_rows, width), weight), add_norm)
 
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits: x [N, K] against the lm_head weight [V, K] → [N, V] fp32, here the product in x.dtype widened to fp32
-    (the variant on CUDA writes the GEMM's fp32 accumulator directly)."""
+    (the variant on CUDA writes the GEMM's fp32 accumulator directly); into `out` [N, V] fp32 when given."""
+    check_logits_out(x, weight, out)
+    logits = F.linear(x, weight).float()
+    return logits if out is None else out.copy_(logits)
+
+
+def check_logits_out(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
     check_linear(x, weight, None)
-    return F.linear(x, weight).float()
+    if out is not None:
+        expect = (*x.shape[:-1], weight.shape[0])
+        if out.dtype != torch.float32 or tuple(out.shape) != expect or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous fp32 {list(expect)}, got {out.dtype} {list(out.shape)}")

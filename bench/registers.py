@@ -109,11 +109,12 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     out.append(
         ("rms_norm with residual, 1 row", rms_norm, argument_types(rms_norm, consts, ptrs, ("eps",)), consts, 4, 3)
     )
-    consts = dict(W=4, WP=4, WT=4, BN=16, BD=8, BG=128, DOT_PRECISION="tf32", PDL=True)
     ptrs = {n: bf16 for n in ("u", "h", "w2_weight", "w2_bias", "conv_state", "out")} | {"state_indices": "*i32"}
-    out.append(
-        ("dynamic_conv decode, up to 16 rows", conv_decode, argument_types(conv_decode, consts, ptrs), consts, 2, 3)
-    )
+    for label, (bn, bd, bg, warps, early) in {"up to 16 rows": (16, 8, 128, 2, True),
+                                              "past 32 rows": (64, 16, 64, 4, False)}.items():  # fmt: skip
+        consts = dict(W=4, WT=4, BN=bn, BD=bd, BG=bg, DOT_PRECISION="tf32", EARLY_LOADS=early, PDL=True)
+        out.append((f"dynamic_conv decode, {label}", conv_decode, argument_types(conv_decode, consts, ptrs), consts,
+                    warps, 3))  # fmt: skip
     consts = dict(H=12, K=96, V=256, BK=128, BV=32, EPS=1e-6, PDL=True)
     ptrs = {n: bf16 for n in ("q", "k", "v", "a", "b", "o")}
     ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}

@@ -338,24 +338,30 @@ def test_triton_prefill_strided_inputs() -> None:
 @interpreted
 @poisoned
 @pytest.mark.parametrize(
-    ("width", "dtype", "gpu_tiles"),
+    ("width", "dtype", "gpu_tiles", "num_seqs"),
     [
-        (4, torch.float32, None),
-        (3, torch.float32, None),
-        (4, torch.float16, None),
-        (4, torch.float32, (16, 8, 128, 2, 3)),  # the GPU's tiles for up to 16 rows
-        (4, torch.float32, (64, 16, 128, 4, 3)),  # ... and for 33-64 rows
+        (4, torch.float32, None, 19),
+        (3, torch.float32, None, 19),
+        (4, torch.float16, None, 19),
+        (3, torch.float32, None, 13),  # up to EARLY_LOADS_MAX_ROWS: the taps loaded before the GEMM
+        (4, torch.float32, (16, 8, 128, 2, 3), 13),  # the GPU's tiles for up to 16 rows
+        (4, torch.float32, (64, 16, 64, 4, 3), 19),  # ... and past 32 rows
     ],
 )
-def test_triton_decode_matches_reference(width: int, dtype: torch.dtype, gpu_tiles: tuple | None, monkeypatch) -> None:
-    """gpu_tiles: tiles the GPU takes (token rows, channels, K step over the generator, warps, stages), here over 19
-    rows, 40 channels and a generator width of 20 (every edge masked)."""
+def test_triton_decode_matches_reference(
+    width: int, dtype: torch.dtype, gpu_tiles: tuple | None, num_seqs: int, monkeypatch
+) -> None:
+    """gpu_tiles: tiles the GPU takes (token rows, channels, K step over the generator, warps, stages), here over 13
+    or 19 rows (the taps loaded before or after the kernel generator's GEMM), 40 channels and a generator width of 20
+    (every edge masked)."""
+    from jetserve.ops.dynamic_conv import decode
+
+    assert (num_seqs <= decode.EARLY_LOADS_MAX_ROWS) == (num_seqs == 13)
     if gpu_tiles:
-        from jetserve.ops.dynamic_conv import decode
         from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 
         monkeypatch.setattr(decode, "decode_tiles_for", lambda x, rows: Tiles(*gpu_tiles))
-    d, g, num_seqs, num_steps = 40, 20, 19, 3
+    d, g, num_steps = 40, 20, 3
     gen = torch.Generator().manual_seed(width)
     slots = torch.randperm(25, generator=gen)[:num_seqs] + 1
     slots[[4, 11]] = 0  # padded rows

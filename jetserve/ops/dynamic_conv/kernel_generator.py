@@ -66,11 +66,12 @@ def tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
 def decode_tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
     """The decode kernel's tiles: up to 16 rows its w2 tile is streamed once per step, so narrower channel blocks (8:
     384 programs at the 2B's 3072 channels instead of 96), longer K steps and 2 warps keep more bytes in flight
-    (a sweep on an H200, 2B shape, w2 from HBM: 6.9 → 5.9 µs at N = 1, 7.1 → 6.3 µs at N = 16); past 16 rows,
-    `tiles_for`, except 33-64 rows: one 64-row token tile, 16 channels, 128-wide K steps (session 20's sweep, 2B, 64
-    rows, w2 from HBM: 7.87 → 7.21 µs)."""
-    if x.is_cuda and 32 < num_rows <= 64:
-        return Tiles(block_tokens=64, block_channels=16, block_g=128, num_warps=4, num_stages=3)
+    (a sweep on an H200, 2B shape, w2 from HBM: 6.9 → 5.9 µs at N = 1, 7.1 → 6.3 µs at N = 16); past 32 rows,
+    64-row token tiles of 16 channels, 64-wide K steps (session 23's sweep of the decode kernel in a CUDA graph
+    behind the input projection, 2B: 64 rows 9.66 → 7.63 µs, 256 rows 19.31 → 15.04 µs, with its taps loaded after
+    the GEMM); 17-32 rows, `tiles_for`."""
+    if x.is_cuda and num_rows > 32:
+        return Tiles(block_tokens=64, block_channels=16, block_g=64, num_warps=4, num_stages=3)
     if not x.is_cuda or num_rows > 16:
         return tiles_for(x, num_rows)
     return Tiles(block_tokens=16, block_channels=8, block_g=128, num_warps=2, num_stages=3)

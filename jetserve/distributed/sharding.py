@@ -125,9 +125,11 @@ def shard_model(model: JetNemotronForCausalLM, group: TensorParallelGroup) -> di
     specs["model.embed_tokens.weight"] = vocab_spec
     vocab_size = config.vocab_size
 
-    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden` [N, hidden] → logits [N, vocab] fp32, all-gathered (the same on every rank)."""
-        return vocab_parallel_logits(hidden, model.lm_head_weight, vocab_size, group)
+    def compute_logits(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden` [N, hidden] → logits [N, vocab] fp32, all-gathered (the same on every rank); copied into `out`
+        when given (the gather's result is a tensor of its own)."""
+        logits = vocab_parallel_logits(hidden, model.lm_head_weight, vocab_size, group)
+        return logits if out is None else out.copy_(logits)
 
     # An instance attribute shadows the class's single-device compute_logits; everything else stays the model's own.
     model.compute_logits = compute_logits

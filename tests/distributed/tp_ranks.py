@@ -93,7 +93,9 @@ def verify_run(model, prompt: list[int], chain: list[int], num_accepted: int) ->
         model.commit_verified(fb, accepted, torch.tensor([num_accepted]))
         cache.commit([0], [num_accepted])
         fb = cache.batch([0], [[nodes[num_accepted]]])
-        decode_logits = model.compute_logits(model(fb))  # [1, V]
+        static = torch.full((1, verify_logits.shape[-1]), float("nan"))  # as a decode graph's buffer
+        decode_logits = model.compute_logits(model(fb), static)  # [1, V], into `static`
+        assert decode_logits is static
     return [verify_logits.clone(), decode_logits.clone()]
 
 

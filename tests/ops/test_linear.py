@@ -500,6 +500,17 @@ def test_logits_linear_on_cuda_keeps_the_fp32_accumulator() -> None:
     static = torch.full((8, n), float("nan"), device="cuda")  # into a buffer: the same GEMM, no copy
     assert logits_linear(x, weight, static[:5]).data_ptr() == static.data_ptr()
     assert torch.equal(static[:5], logits) and static[5:].isnan().all()
+    # a torch whose fp32-out GEMM cannot write into a buffer: the same logits, copied in
+    import jetserve.ops.linear as linear_ops
+
+    real = linear_ops._has_fp32_out_gemm
+    linear_ops._has_fp32_out_gemm = lambda device, into=False: not into and real(device)
+    try:
+        static.fill_(float("nan"))
+        assert logits_linear(x, weight, static[:5]).data_ptr() == static.data_ptr()
+        assert torch.equal(static[:5], logits) and static[5:].isnan().all()
+    finally:
+        linear_ops._has_fp32_out_gemm = real
 
 
 @pytest.mark.gpu

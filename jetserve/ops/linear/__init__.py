@@ -114,23 +114,27 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
         reference.check_logits_out(x, weight, out)
         if out is None:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
-        return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+        if _has_fp32_out_gemm(x.device, into=True):
+            return torch.mm(x, weight.t(), out_dtype=torch.float32, out=out)
+        return out.copy_(torch.mm(x, weight.t(), out_dtype=torch.float32))
     return reference.logits_linear(x, weight, out)
 
 
 @functools.cache
-def _has_fp32_out_gemm(device: torch.device) -> bool:
-    """Whether this torch runs a half-precision GEMM with an fp32 output on `device` (tried once, eagerly: the first
-    logits come from a warm-up step, never from inside a graph capture)."""
+def _has_fp32_out_gemm(device: torch.device, into: bool = False) -> bool:
+    """Whether this torch runs a half-precision GEMM with an fp32 output on `device` (`into`: into a given buffer;
+    tried once, eagerly: the first logits come from a warm-up step, never from inside a graph capture)."""
     a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
     b = torch.ones(4, 8, dtype=torch.bfloat16, device=device).t()
-    into = torch.zeros(2, 4, dtype=torch.float32, device=device)
     try:
-        out = torch.mm(a, b, out_dtype=torch.float32)
-        torch.mm(a, b, out_dtype=torch.float32, out=into)
+        if into:
+            out = torch.zeros(2, 4, dtype=torch.float32, device=device)
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        else:
+            out = torch.mm(a, b, out_dtype=torch.float32)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return out.dtype == torch.float32 and bool((out == 8).all()) and bool((into == 8).all())
+    return out.dtype == torch.float32 and bool((out == 8).all())
 
 
 __all__ = [

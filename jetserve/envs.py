@@ -37,8 +37,8 @@ def pdl() -> bool:
 
 def add_norm_epilogue() -> bool:
     """JETSERVE_ADD_NORM_EPILOGUE=1: the Triton skinny GEMM that produces a layer's output (o_proj, down) also adds the
-    residual and runs the next RMSNorm in its epilogue (`ops.linear`'s `add_norm`). Off by default: not yet measured
-    on a GPU; off, the norm runs as its own launch after the GEMM."""
+    residual and runs the next RMSNorm in its epilogue (`ops.linear`'s `add_norm`). Off by default: on an H200 it was
+    no faster (session 23, docs/kernels.md); off, the norm runs as its own launch after the GEMM."""
     value = os.environ.get("JETSERVE_ADD_NORM_EPILOGUE", "0")
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_ADD_NORM_EPILOGUE: {value!r} is not 0 or 1")

@@ -486,8 +486,25 @@ def test_triton_decode_splits_cover_the_merge():
     from jetserve.ops.attention import decode
 
     cpu = torch.device("cpu")
-    assert decode.num_splits(2, 80, 16, cpu) == 3  # one sequence: the key range is split and merged
-    assert decode.num_splits(10, 80, 16, cpu) == 1  # five sequences: one program each
+    assert decode.decode_plan(2, 80, cpu) == (4, 16, 1, 1)  # one sequence: the key range is split and merged
+    assert decode.decode_plan(10, 80, cpu) == (1, 16, 1, 1)  # five sequences: one program each
+    assert decode.decode_plan(2, 20, cpu) == (2, 16, 1, 1)  # no more splits than key tiles
+    assert decode.num_splits(2, 80, 16, cpu) == 3  # verify keeps its rule
+
+
+def test_decode_plan_on_an_h200(monkeypatch):
+    """The GPU rule (session 24's sweep) without a GPU: 132 SMs, splits rounded down to two programs per SM."""
+    from jetserve.ops.attention import decode
+
+    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert decode.decode_plan(512, 4096, cuda) == (1, 128, 4, 2)  # batch 256: one split, 128-key tiles
+    assert decode.decode_plan(128, 4096, cuda) == (2, 128, 4, 2)  # batch 64: 256 programs, not 384
+    assert decode.decode_plan(128, 1152, cuda) == (2, 128, 4, 2)  # a 1152-token window still keeps two tiles a split
+    assert decode.decode_plan(32, 1152, cuda) == (8, 64, 4, 2)  # ... but not in eight splits
+    assert decode.decode_plan(2, 4096, cuda) == (64, 64, 4, 2)  # batch 1: 64 splits of 64-key tiles
+    assert decode.decode_plan(2, 16384, cuda) == (64, 128, 4, 2)
+    assert decode.decode_plan(2, 100, cuda) == (2, 64, 4, 2)  # never more splits than tiles
 
 
 # (prefix lens, tree nodes, chain, window, ring, dtype): 9 nodes x 2 heads per group is two row blocks in the

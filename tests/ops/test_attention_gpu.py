@@ -81,6 +81,8 @@ def test_rope_real_shapes(num_heads):
         (64, 4096, 12, 1152, 1152 + 16),
         (256, 4096, 16, 2048, 2048 + 16),
         (1, 3000, 16, 2048, 0),
+        (1, 16384, 12, 0, 0),  # 64 splits of 128-key tiles
+        (16, 2000, 12, 1152, 1152 + 16),  # 8 splits of 64-key tiles
     ],
 )
 def test_decode_real_shapes(num_seqs, context, num_heads, window, ring):

@@ -352,7 +352,8 @@ TK, TV, BLOCK_V = 20, 24, 16  # K pads to 32 in-kernel; V = 1.5 tiles
 
 
 @needs_interpreter
-def test_triton_decode_matches_reference(poisoned_empty):
+@pytest.mark.parametrize("chunks", [1, 2, 3])  # 2: one program walks both V tiles; 3: a third tile wholly past V
+def test_triton_decode_matches_reference(poisoned_empty, chunks):
     gen = torch.Generator().manual_seed(10)
     A_log, dt_bias = make_params(H, gen)
     # rows 1 and 4 are padding; the slots come as a strided view (the kernel must not read the 2s between them)
@@ -361,7 +362,7 @@ def test_triton_decode_matches_reference(poisoned_empty):
     pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
     pool_ref, before = pool.clone(), pool.clone()
     args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias]
-    o = decode.gated_delta_rule_decode(*args, pool, slots, block_v=BLOCK_V)
+    o = decode.gated_delta_rule_decode(*args, pool, slots, block_v=BLOCK_V, chunks=chunks)
     o_ref = ref.gated_delta_rule_decode(*args, pool_ref, slots)
     real = torch.tensor([0, 2, 3])
     assert_rel_close(o[real], o_ref[real], 1e-5)
@@ -453,3 +454,13 @@ def test_public_ops_dispatch_to_triton():
             set_backend(None)
     for got, want in zip(results["triton"], results["reference"], strict=True):
         assert_rel_close(got, want, 1e-5)
+
+
+def test_decode_tiles_by_batch():
+    """Below 512 (sequence, head) pairs one 32-wide V tile a program; past it two 64-wide tiles a program (the 2B's
+    V = 256: two programs a head); a given block_v keeps one tile a program unless chunks is given."""
+    assert decode.decode_tiles(12, 256, None) == (32, 1)
+    assert decode.decode_tiles(768, 256, None) == (64, 2)
+    assert decode.decode_tiles(768, 48, None) == (64, 1)
+    assert decode.decode_tiles(768, 256, 16) == (16, 1)
+    assert decode.decode_tiles(768, 256, 16, 3) == (16, 3)

@@ -9,9 +9,21 @@ from jetserve.config import ModelConfig
 from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections
 from jetserve.model.layers import Linear, Output
-from jetserve.ops.dynamic_conv import dynamic_conv_commit, dynamic_conv_prefill, dynamic_conv_verify
-from jetserve.ops.gated_delta_rule import gated_delta_rule_commit, gated_delta_rule_prefill, gated_delta_rule_verify
+from jetserve.ops.dynamic_conv import (
+    dynamic_conv_commit,
+    dynamic_conv_decode,
+    dynamic_conv_prefill,
+    dynamic_conv_verify,
+)
+from jetserve.ops.gated_delta_rule import (
+    decode_takes_norm,
+    gated_delta_rule_commit,
+    gated_delta_rule_decode_norm,
+    gated_delta_rule_prefill,
+    gated_delta_rule_verify,
+)
 from jetserve.ops.jet_mixer import jet_mixer_decode
+from jetserve.ops.linear import GEMV_MAX_ROWS
 from jetserve.ops.linear.reference import AddNorm
 
 
@@ -90,6 +102,13 @@ class JetBlock(InputProjections, nn.Module):
             v = dynamic_conv_prefill(u, h, *conv_args, *seq_args)  # [T, D_v]
             v = v.view(T, H, V)  # [T, H, V]
             o = gated_delta_rule_prefill(q, k, v, a, b, *gate_args, *seq_args)  # [T, H, V]
+        elif fb.phase is Phase.DECODE and T > GEMV_MAX_ROWS and decode_takes_norm(T, H, x):
+            # Past the rows whose o_proj takes the norm in its prologue, the norm runs in the delta rule's launch.
+            v = dynamic_conv_decode(u, h, *conv_args, fb.state_indices).view(T, H, V)  # [T, H, V]
+            gate = gate.view(T, H, V)  # [T, H, V], rows strided
+            y = gated_delta_rule_decode_norm(q, k, v, a, b, *gate_args, fb.state_indices, gate, self.o_norm.weight,
+                                             self.norm_eps)  # fmt: skip
+            return self.o_proj(y.view(T, D_v), add_norm)  # [T, hidden]
         elif fb.phase is Phase.DECODE:
             o = jet_mixer_decode(u, h, *conv_args, q, k, a, b, *gate_args, fb.state_indices)  # [T, H, V]
         else:

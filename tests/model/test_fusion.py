@@ -162,6 +162,51 @@ def test_fused_mixer_decode_in_the_model_equals_the_reference_model(tiny_checkpo
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
 
 
+def test_output_norm_in_the_decode_launch_equals_the_reference_model(tiny_checkpoint, monkeypatch):
+    """Past GEMV_MAX_ROWS rows and from NORM_MIN_PAIRS (sequence, head) pairs on the Triton backend a JetBlock's
+    decode runs its output norm in the gated delta rule's launch and o_proj as a plain GEMM (both thresholds lowered
+    here so the tiny model's decode takes the path; the launches counted); the logits equal the reference ops'."""
+    if not envs.triton_interpret():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    from jetserve.model import jet_block
+    from jetserve.ops import gated_delta_rule
+    from jetserve.ops.gated_delta_rule import decode as delta_decode
+
+    monkeypatch.setattr(jet_block, "GEMV_MAX_ROWS", 1)
+    monkeypatch.setattr(gated_delta_rule, "NORM_MIN_PAIRS", 1)
+    calls = []
+    original = delta_decode.gated_delta_rule_decode
+
+    def counted(*args, **kw):
+        calls.append(kw.get("norm") is not None)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(delta_decode, "gated_delta_rule_decode", counted)
+    model = load_model(tiny_checkpoint, dtype="float32")
+
+    def run() -> list[torch.Tensor]:
+        cache = StaticCache(model, 3, 64, page_size=8)
+        with torch.inference_mode():
+            prompts = [random_tokens(7, 1), random_tokens(5, 2), random_tokens(9, 3)]
+            out = [model.compute_logits(model(cache.batch([0, 1, 2], prompts)))]
+            out += [model.compute_logits(model(cache.batch([0, 1, 2], [[5 + step]] * 3))) for step in range(2)]
+            out += [model.compute_logits(model(cache.batch([1], [[9]])))]  # one row: the fused mixer as before
+        return out
+
+    try:
+        set_backend("reference")
+        want = run()
+        assert not calls
+        set_backend("triton")
+        got = run()
+    finally:
+        set_backend(None)
+    jet_layers = sum(layer.kind == "jet" for layer in model.model.layers)
+    assert jet_layers > 0 and calls == [True] * (2 * jet_layers)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+
+
 @pytest.mark.parametrize("flag", ["0", "1"])
 def test_add_norm_epilogue_in_the_model_equals_the_reference_model(tiny_checkpoint, monkeypatch, flag):
     """JETSERVE_ADD_NORM_EPILOGUE=1: every residual add and RMSNorm after layer 0's input norm runs in the epilogue of

@@ -12,6 +12,7 @@ from jetserve.ops import gated_delta_rule as ops
 from jetserve.ops.backend import set_backend
 from jetserve.ops.gated_delta_rule import chunk, decode, tree
 from jetserve.ops.gated_delta_rule import reference as ref
+from jetserve.ops.norm import reference as norm_ref
 
 H, K, V = 3, 16, 8
 NUM_SLOTS = 7
@@ -464,3 +465,58 @@ def test_decode_tiles_by_batch():
     assert decode.decode_tiles(768, 48, None) == (64, 1)
     assert decode.decode_tiles(768, 256, 16) == (16, 1)
     assert decode.decode_tiles(768, 256, 16, 3) == (16, 3)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_v", [16, None])  # 16: a head in two tiles, the second half past V; None: one tile
+def test_triton_decode_norm_matches_reference(poisoned_empty, block_v):
+    """The JetBlock's output norm in the decode's launch: the same slots, state and normed output as the decode
+    reference followed by `gated_rms_norm`, with the gate a strided view (a column slice of the fused projection)."""
+    gen = torch.Generator().manual_seed(12)
+    A_log, dt_bias = make_params(H, gen)
+    slots = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    tokens = make_tokens(len(slots), H, TK, TV, gen)
+    pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
+    pool_ref, before = pool.clone(), pool.clone()
+    projected = torch.randn(len(slots), 5 + H * TV, generator=gen)
+    gate = projected[:, 5:].view(len(slots), H, TV)  # [N, H, V], rows strided
+    weight = torch.rand(TV, generator=gen) + 0.5
+    args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias]
+    y = decode.gated_delta_rule_decode(*args, pool, slots, block_v=block_v, norm=(gate, weight, 1e-6))
+    y_ref = ref.gated_delta_rule_decode_norm(*args, pool_ref, slots, gate, weight, 1e-6)
+    real = torch.tensor([0, 2, 3])
+    assert_rel_close(y[real], y_ref[real], 1e-5)
+    assert torch.isfinite(y).all()
+    assert_rel_close(pool[[3, 5, 1]], pool_ref[[3, 5, 1]], 1e-5)
+    for slot in (2, 4, 6):
+        assert torch.equal(pool[slot], before[slot])
+    # the public op on this backend takes the same path
+    pool_again = before.clone()
+    y_op = ops.gated_delta_rule_decode_norm(*args, pool_again, slots, gate, weight, 1e-6)
+    assert_rel_close(y_op[real], y_ref[real], 1e-5)
+
+
+def test_decode_norm_reference_is_decode_then_gated_norm():
+    gen = torch.Generator().manual_seed(13)
+    A_log, dt_bias = make_params(H, gen)
+    slots = torch.tensor([2, 4], dtype=torch.int32)
+    tokens = make_tokens(2, H, K, V, gen)
+    pool = make_pool(NUM_SLOTS, H, K, V, gen)
+    pool_ref = pool.clone()
+    gate, weight = torch.randn(2, H, V, generator=gen), torch.rand(V, generator=gen)
+    args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias]
+    y = ref.gated_delta_rule_decode_norm(*args, pool, slots, gate, weight, 1e-5)
+    o = ref.gated_delta_rule_decode(*args, pool_ref, slots)
+    torch.testing.assert_close(y, norm_ref.gated_rms_norm(o, weight, gate, 1e-5), rtol=0, atol=0)
+    assert torch.equal(pool, pool_ref)
+    with pytest.raises(ValueError, match="gate must match"):
+        ref.gated_delta_rule_decode_norm(*args, pool, slots, gate[:, :, :4], weight, 1e-5)
+
+
+def test_decode_takes_norm_by_pairs(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
+    assert ops.decode_takes_norm(43, 12, x)  # 516 pairs: the 2B from batch 43
+    assert not ops.decode_takes_norm(42, 12, x)
+    monkeypatch.setattr(ops, "use_triton", lambda t: False)
+    assert not ops.decode_takes_norm(256, 12, x)  # the reference backend keeps the two ops

@@ -64,6 +64,28 @@ def test_decode(shape, batch, dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch", [48, 256])
+def test_decode_norm(shape, batch):
+    """The output norm in the decode's launch (one program a head), bf16, the gate a column slice of a wider
+    projection, against the decode reference followed by `gated_rms_norm`."""
+    H, K, V = SHAPES[shape]
+    num_slots = batch + 8
+    tokens, A_log, dt_bias, pool = setup(shape, batch, num_slots, batch + 1, torch.bfloat16)
+    slots = distinct_slots(batch, num_slots, batch + 1)
+    gen = torch.Generator().manual_seed(batch)
+    projected = torch.randn(batch, 40 + H * V, generator=gen).to(torch.bfloat16).to(DEVICE)
+    gate = projected[:, 40:].view(batch, H, V)
+    weight = (torch.rand(V, generator=gen) + 0.5).to(torch.bfloat16).to(DEVICE)
+    pool_ref = pool.clone()
+    args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias]
+    y = decode.gated_delta_rule_decode(*args, pool, slots, norm=(gate, weight, 1e-6))
+    y_ref = reference.gated_delta_rule_decode_norm(*args, pool_ref, slots, gate, weight, 1e-6)
+    assert_rel_close(y, y_ref, OUT_REL[torch.bfloat16])
+    touched = slots.long()
+    assert_rel_close(pool[touched], pool_ref[touched], STATE_REL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(
     "lengths",
     [[1], [63], [64], [65], [1000], [4096], [4096, 1, 700, 65, 0, 129]],

@@ -16,6 +16,7 @@ from jetserve.ops.gated_delta_rule.step import (
     unit_last_stride,
 )
 from jetserve.ops.layout import dense
+from jetserve.ops.norm.reference import check_gated_rms_norm
 from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 
@@ -31,6 +32,9 @@ def gated_delta_rule_decode_kernel(
     state,
     state_indices,
     o,
+    gate,
+    norm_weight,
+    y,
     stride_q_n,
     stride_q_h,
     stride_k_n,
@@ -40,7 +44,10 @@ def gated_delta_rule_decode_kernel(
     stride_a_n,
     stride_b_n,
     stride_s,
+    stride_g_n,
+    stride_g_h,
     scale,
+    norm_eps,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -48,6 +55,8 @@ def gated_delta_rule_decode_kernel(
     BV: tl.constexpr,
     CHUNKS: tl.constexpr,  # V tiles a program walks, one after the other
     EPS: tl.constexpr,
+    NORM: tl.constexpr,  # the JetBlock's output norm on o into y (the program holds a whole head: CHUNKS·BV ≥ V)
+    BLOCK_VN: tl.constexpr,  # V padded to a power of two, for the norm
     PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
     pdl_enter(PDL)
@@ -72,23 +81,39 @@ def gated_delta_rule_decode_kernel(
         b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
         tl.store(p_s, b_s, mask=m_s)
         tl.store(o + (i_n64 * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if NORM:
+        # `gated_rms_norm` of the head's rounded o, read back once every thread's stores are done
+        tl.debug_barrier()
+        o_vn = tl.arange(0, BLOCK_VN)
+        m_vn = o_vn < V
+        b_on = tl.load(o + (i_n64 * H + i_h) * V + o_vn, mask=m_vn, other=0.0).to(tl.float32)  # [BLOCK_VN]
+        b_rstd = 1.0 / tl.sqrt(tl.sum(b_on * b_on, axis=0) / V + norm_eps)
+        b_w = tl.load(norm_weight + o_vn, mask=m_vn, other=0.0).to(tl.float32)
+        b_gt = tl.load(gate + i_n64 * stride_g_n + i_h * stride_g_h + o_vn, mask=m_vn, other=0.0).to(tl.float32)
+        b_y = b_on * b_rstd * b_w * (b_gt * tl.sigmoid(b_gt))
+        tl.store(y + (i_n64 * H + i_h) * V + o_vn, b_y.to(y.dtype.element_ty), mask=m_vn)
     pdl_exit(PDL)
 
 
-def decode_tiles(num_pairs: int, V: int, block_v: int | None, chunks: int | None = None) -> tuple[int, int]:
+def decode_tiles(
+    num_pairs: int, V: int, block_v: int | None, chunks: int | None = None, whole_head: bool = False
+) -> tuple[int, int]:
     """(BV, CHUNKS) for `num_pairs` (sequence, head) pairs: a given block_v (with chunks, 1 unless given); otherwise
-    32-wide tiles, one a program, under 512 pairs, and past that 64-wide tiles two a program.
+    32-wide tiles, one a program, under 512 pairs, and past that 64-wide tiles two a program. `whole_head` (the output
+    norm): the tiles a program walks cover V.
 
     H200 sweeps (session 24, 2B shape, 24 layers' states from HBM in a CUDA graph, µs a layer): batch 64 45.7 → 43.7
     and 44.7 → 43.9, batch 256 166.6 → 162.2 and 170.1 → 162.8 — q, k, the gates and their norms loaded once for two
     tiles. Walking all four V tiles, pipelining the walk, cache-streaming hints, 1, 2 or 8 warps: no faster. In the
     2B decode step (TPOT, same GPU): batch 64 3.451 → 3.431 ms, batch 256 7.598 → 7.577."""
     if block_v is not None:
-        return block_v, chunks or 1
-    if num_pairs < 512:
-        return min(triton.next_power_of_2(V), 32), 1
-    BV = min(triton.next_power_of_2(V), 64)
-    return BV, max(1, min(2, triton.cdiv(V, BV)))
+        BV, chunks = block_v, chunks or 1
+    elif num_pairs < 512:
+        BV, chunks = min(triton.next_power_of_2(V), 32), 1
+    else:
+        BV = min(triton.next_power_of_2(V), 64)
+        chunks = max(1, min(2, triton.cdiv(V, BV)))
+    return (BV, triton.cdiv(V, BV)) if whole_head else (BV, chunks)
 
 
 def gated_delta_rule_decode(
@@ -105,13 +130,15 @@ def gated_delta_rule_decode(
     *,
     block_v: int | None = None,
     chunks: int | None = None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """One token per sequence, in place on `state[state_indices]`: q, k `[N, H, K]`, v `[N, H, V]`, a, b `[N, H]` (raw),
     A_log, dt_bias `[H]` fp32, state `[S, H, K, V]` fp32 (contiguous within a slot), state_indices `[N]` int32.
 
     Grid (N, H, V / (block_v · chunks)), tiles by batch unless block_v is given (`decode_tiles`); padded rows point
     at slot 0.
-    Returns o `[N, H, V]` in `v.dtype`.
+    Returns o `[N, H, V]` in `v.dtype`; with `norm = (gate [N, H, V], norm_weight [V], eps)`,
+    `gated_rms_norm(o, norm_weight, gate, eps)` instead, in the same launch (one program a head).
     """
     check_heads(q, k, v, a, b)
     check_state(state, k, v)
@@ -124,11 +151,18 @@ def gated_delta_rule_decode(
     scale = K**-0.5 if scale is None else scale
     q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
     (state_indices,) = dense(state_indices)
-    BV, chunks = decode_tiles(N * H, V, block_v, chunks)
+    BV, chunks = decode_tiles(N * H, V, block_v, chunks, whole_head=norm is not None)
     BK, BV = block_sizes(K, V, BV)
     o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
+    if norm is None:
+        gate, norm_weight, norm_eps, y = o, o, 0.0, o  # unused
+    else:
+        gate, norm_weight, norm_eps = norm
+        check_gated_rms_norm(o, norm_weight, gate)
+        gate = unit_last_stride(gate)
+        y = torch.empty_like(o)
     if N == 0:
-        return o
+        return o if norm is None else y
     gated_delta_rule_decode_kernel[(N, H, triton.cdiv(V, BV * chunks))](
         q,
         k,
@@ -140,6 +174,9 @@ def gated_delta_rule_decode(
         state,
         state_indices,
         o,
+        gate,
+        norm_weight,
+        y,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -149,7 +186,10 @@ def gated_delta_rule_decode(
         a.stride(0),
         b.stride(0),
         state.stride(0),
+        gate.stride(0),
+        gate.stride(1),
         scale,
+        norm_eps,
         H=H,
         K=K,
         V=V,
@@ -157,7 +197,9 @@ def gated_delta_rule_decode(
         BV=BV,
         CHUNKS=chunks,
         EPS=L2NORM_EPS,
+        NORM=norm is not None,
+        BLOCK_VN=triton.next_power_of_2(V),
         num_warps=4,
         **pdl_launch(q),
     )
-    return o
+    return o if norm is None else y

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jetserve.ops.norm import reference as norm_reference
+
 L2NORM_EPS = 1e-6
 CHUNK_TOKENS = 64
 
@@ -214,6 +216,27 @@ def gated_delta_rule_decode(
     o = _readout(S, l2_normalize(q) * scale)  # [N, H, V]
     state[idx] = S
     return o.to(v.dtype)
+
+
+def gated_delta_rule_decode_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`gated_rms_norm(gated_delta_rule_decode(q, ..., scale), norm_weight, gate, eps)`: the decode's o (rounded to
+    v.dtype) through the JetBlock's output norm; gate [N, H, V], norm_weight [V]. Returns [N, H, V] in v.dtype."""
+    o = gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
+    return norm_reference.gated_rms_norm(o, norm_weight, gate, eps)
 
 
 def check_tree(k: torch.Tensor, state_indices: torch.Tensor, nodes: torch.Tensor, what: str) -> tuple[int, int]:

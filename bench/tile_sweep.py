@@ -1,4 +1,6 @@
-"""Tile sweeps behind two fixed heuristics, at the 2B/4B decode shapes: the dynamic-conv decode kernel's tiles
+"""Tile sweeps behind the fixed heuristics, at the 2B/4B decode shapes: the attention decode's launch plan
+(`decode_plan`: splits and key tiles, N = 1, 64, 256 at 4K context, full and windowed), the gated-delta-rule
+decode's V tiles (`decode_tiles`, N = 64, 256), the dynamic-conv decode kernel's tiles
 (`decode_tiles_for`, N = 1 and 16 by default) and the skinny GEMM's tilings (`choose_tiling`; one row by default, or
 any number of rows against today's dispatch, cuBLAS past `ops.linear`'s row limits) in the modes the model runs them
 (fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
@@ -6,7 +8,8 @@ rotate through copies larger than 4x the L2, so they come from HBM as in a decod
 (median of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline:
 the bytes a call must move over that bandwidth), its error against the reference, and which tiling the heuristic
 picks now. One JSON line per tiling with --json FILE.
-Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm] [--rows 1,32,64] [--conv-rows 1,16,64] [--json FILE]
+Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm|attn|delta] [--rows 1,32,64] [--conv-rows 1,16,64]
+       [--attn-rows 1,64,256] [--delta-rows 64,256] [--json FILE]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
 """
 
@@ -77,6 +80,101 @@ def conv_cases(
             return ms / 1e3 / len(w2s), err, nbytes
 
         cases.append((f"{s.name} dynamic_conv decode N={n}", tilings, run, decode.decode_tiles_for(u, n)))
+    return cases
+
+
+def attn_cases(
+    s, dtype: torch.dtype, device: str, smoke: bool, ns: tuple[int, ...] = (1, 64, 256)
+) -> list[tuple[str, list, Callable, object]]:
+    """The paged attention decode's launch plan (`decode_plan`: key-range splits and tiles) at 4K context, full and
+    under the model's window, for each N of `ns`; K/V caches rotate through copies past 4x the L2. Tilings are
+    (splits, BLOCK_N, warps, stages)."""
+    from common import PAGE_SIZE
+
+    from jetserve.ops.attention import decode, reference
+
+    heads, kv_heads, head_dim = s.heads, s.kv_heads, s.head_dim
+    context = 4096 if not smoke else 40
+    splits = (1, 2, 3, 4, 8, 16, 32, 64) if not smoke else (1, 3)
+    tiles = ((64, 4, 3), (64, 4, 2), (128, 4, 2), (32, 4, 3)) if not smoke else ((16, 1, 1),)
+    gen = torch.Generator(device=device).manual_seed(2)
+    cases = []
+    for n, window in itertools.product(ns if not smoke else (1, 3), (0, 1152 if not smoke else 24)):
+        pages = -(-(context + 1) // PAGE_SIZE)
+        cache_bytes = 2 * (1 + n * pages) * PAGE_SIZE * kv_heads * head_dim * dtype.itemsize
+        copies = weight_copies(cache_bytes, device)
+        caches = [
+            [torch.randn(1 + n * pages, PAGE_SIZE, kv_heads, head_dim, device=device, generator=gen).to(dtype)
+             for _ in range(2)]
+            for _ in range(copies)
+        ]  # fmt: skip
+        tables = (1 + torch.arange(n * pages, device=device, dtype=torch.int32)).view(n, pages)
+        q = torch.randn(n, heads, head_dim, device=device, generator=gen).to(dtype)
+        k, v = (torch.randn(n, kv_heads, head_dim, device=device, generator=gen).to(dtype) for _ in range(2))
+        lens = torch.full((n,), context + 1, dtype=torch.int32, device=device)
+        slots = (tables[:, context // PAGE_SIZE].long() * PAGE_SIZE + context % PAGE_SIZE).contiguous()
+        opts = dict(scale=head_dim**-0.5, window_tokens=window, ring_tokens=0)
+        want = reference.attention_decode(q, k, v, *[c.clone() for c in caches[0]], lens, tables, slots, **opts)
+        keys = min(context, window - 1) if window else context
+        nbytes = 2 * n * (keys + 1) * kv_heads * head_dim * dtype.itemsize + 2 * q.numel() * dtype.itemsize
+        capacity = min(pages * PAGE_SIZE, window) if window else pages * PAGE_SIZE
+        cap = {t[0]: -(-capacity // t[0]) for t in tiles}
+        tilings = [(sp, *t) for sp in splits for t in tiles if sp <= cap[t[0]] and n * kv_heads * sp <= 4096]
+
+        def run(plan, q=q, k=k, v=v, caches=caches, lens=lens, tables=tables, slots=slots, opts=opts, want=want,
+                nbytes=nbytes) -> tuple[float, float, int]:  # fmt: skip
+            original = decode.decode_plan
+            if plan is not None:
+                decode.decode_plan = lambda *args: plan
+            try:
+                got = decode.attention_decode(q, k, v, *caches[0], lens, tables, slots, **opts)
+                err = float((got.float() - want.float()).abs().max())
+                ms = time_ms(lambda: [decode.attention_decode(q, k, v, *c, lens, tables, slots, **opts)
+                                      for c in caches], device)  # fmt: skip
+            finally:
+                decode.decode_plan = original
+            return ms / 1e3 / len(caches), err, nbytes
+
+        picked = decode.decode_plan(n * kv_heads, capacity, q.device)
+        cases.append((f"{s.name} attention decode N={n} ctx={context} window={window}", tilings, run, picked))
+    return cases
+
+
+def delta_cases(
+    s, dtype: torch.dtype, device: str, smoke: bool, ns: tuple[int, ...] = (64, 256)
+) -> list[tuple[str, list, Callable, object]]:
+    """The gated-delta-rule decode's V tiles (`decode_tiles`: tile width, tiles a program walks) for each N of `ns`;
+    the fp32 states rotate through copies past 4x the L2. Tilings are (BV, chunks)."""
+    from jetserve.ops.gated_delta_rule import decode, reference
+
+    heads, kd, vd = s.jet_heads, s.key_dim, s.value_dim
+    tilings = [(bv, c) for bv in (32, 64, 128) for c in (1, 2, 4) if bv * c <= max(vd, 64)] if not smoke else [(8, 2)]
+    gen = torch.Generator(device=device).manual_seed(3)
+    cases = []
+    for n in ns if not smoke else (2, 5):
+        state_bytes = (n + 1) * heads * kd * vd * 4
+        copies = weight_copies(state_bytes, device)
+        states = [torch.randn(n + 1, heads, kd, vd, device=device, generator=gen) * 0.1 for _ in range(copies)]
+        q, k = (torch.randn(n, heads, kd, device=device, generator=gen).to(dtype) for _ in range(2))
+        v = torch.randn(n, heads, vd, device=device, generator=gen).to(dtype)
+        a, b = (torch.randn(n, heads, device=device, generator=gen).to(dtype) for _ in range(2))
+        A_log, dt_bias = torch.rand(heads, device=device), torch.rand(heads, device=device)
+        idx = torch.arange(1, n + 1, device=device, dtype=torch.int32)
+        want = reference.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, states[0].clone(), idx)
+        nbytes = 2 * n * heads * kd * vd * 4 + 2 * v.numel() * dtype.itemsize
+
+        def run(tiles, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, states=states, idx=idx, want=want,
+                nbytes=nbytes) -> tuple[float, float, int]:  # fmt: skip
+            kw = {} if tiles is None else {"block_v": tiles[0], "chunks": tiles[1]}
+            args = (q, k, v, a, b, A_log, dt_bias)
+            got = decode.gated_delta_rule_decode(*args, states[0].clone(), idx, **kw)
+            err = float((got.float() - want.float()).abs().max())
+            work = [st.clone() for st in states] if device != "cuda" else states  # the timed calls advance these
+            ms = time_ms(lambda: [decode.gated_delta_rule_decode(*args, st, idx, **kw) for st in work], device)
+            return ms / 1e3 / len(states), err, nbytes
+
+        picked = decode.decode_tiles(n * heads, vd, None)
+        cases.append((f"{s.name} gated_delta_rule decode N={n}", tilings, run, picked))
     return cases
 
 
@@ -151,9 +249,11 @@ def gemm_cases(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="2b")
-    p.add_argument("--only", default="", choices=["", "conv", "gemm"])
+    p.add_argument("--only", default="", choices=["", "conv", "gemm", "attn", "delta"])
     p.add_argument("--rows", default="1", help="rows of x for the GEMM cases, comma-separated")
     p.add_argument("--conv-rows", default="1,16", help="sequences for the conv decode cases, comma-separated")
+    p.add_argument("--attn-rows", default="1,64,256", help="sequences for the attention decode cases")
+    p.add_argument("--delta-rows", default="64,256", help="sequences for the gated-delta-rule decode cases")
     p.add_argument("--cases", default="", help="only GEMM cases whose name holds one of these, comma-separated")
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
@@ -173,6 +273,10 @@ def main() -> None:
         if args.only in ("", "gemm"):
             for rows in map(int, args.rows.split(",") if not args.smoke else (1, 3)):
                 cases += gemm_cases(s, dtype, device, args.smoke, rows)
+        if args.only in ("", "attn"):
+            cases += attn_cases(s, dtype, device, args.smoke, tuple(map(int, args.attn_rows.split(","))))
+        if args.only in ("", "delta"):
+            cases += delta_cases(s, dtype, device, args.smoke, tuple(map(int, args.delta_rows.split(","))))
         wanted = [c for c in args.cases.split(",") if c]
         for case, tilings, run, picked in cases:
             if wanted and "M=" in case and not any(c in case for c in wanted):

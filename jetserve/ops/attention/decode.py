@@ -191,7 +191,9 @@ def num_splits(num_programs: int, capacity_tokens: int, block_n: int, device: to
 
 
 def _tiles(interpret: bool) -> tuple[int, int, int]:
-    """Verify's (BLOCK_N, num_warps, num_stages) (H200 sweep: 64/4/3 best or tied at batch 1-256, 4K context)."""
+    """Verify's (BLOCK_N, num_warps, num_stages): 64/4/3, the best or tied in an early H200 sweep of decode and verify
+    (batch 1-256, 4K context). Session 24's verify sweep found splits rounded down with 64/4/2 27-40% faster at batch
+    64 (docs/performance.md); not applied until its GPU tests run."""
     return (16, 1, 1) if interpret else (64, 4, 3)
 
 

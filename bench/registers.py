@@ -115,11 +115,13 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
         consts = dict(W=4, WT=4, BN=bn, BD=bd, BG=bg, DOT_PRECISION="tf32", EARLY_LOADS=early, PDL=True)
         out.append((f"dynamic_conv decode, {label}", conv_decode, argument_types(conv_decode, consts, ptrs), consts,
                     warps, 3))  # fmt: skip
-    consts = dict(H=12, K=96, V=256, BK=128, BV=32, EPS=1e-6, PDL=True)
-    ptrs = {n: bf16 for n in ("q", "k", "v", "a", "b", "o")}
+    ptrs = {n: bf16 for n in ("q", "k", "v", "a", "b", "o", "gate", "norm_weight", "y")}
     ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}
-    out.append(("gated_delta_rule decode, BV 32", gdr_decode, argument_types(gdr_decode, consts, ptrs, ("scale",)),
-                consts, 4, 3))  # fmt: skip
+    for label, bv, chunks, norm in [("BV 32", 32, 1, False), ("two 64-wide tiles", 64, 2, False),
+                                    ("a whole head, with the output norm", 64, 4, True)]:  # fmt: skip
+        consts = dict(H=12, K=96, V=256, BK=128, BV=bv, CHUNKS=chunks, EPS=1e-6, NORM=norm, BLOCK_VN=256, PDL=True)
+        out.append((f"gated_delta_rule decode, {label}", gdr_decode,
+                    argument_types(gdr_decode, consts, ptrs, ("scale", "norm_eps")), consts, 4, 3))  # fmt: skip
     consts = dict(H=12, K=96, V=256, W=4, WT=4, WP=4, BK=128, BV=8, BG=128, EPS=1e-6, PDL=True)
     ptrs = {n: bf16 for n in ("u", "h", "w2_weight", "w2_bias", "conv_state", "q", "k", "a", "b", "o")}
     ptrs |= {"A_log": "*fp32", "dt_bias": "*fp32", "state": "*fp32", "state_indices": "*i32"}

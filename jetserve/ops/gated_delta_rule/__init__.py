@@ -54,7 +54,7 @@ def gated_delta_rule_decode(
     return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
 
 
-NORM_MIN_PAIRS = 512  # (sequence, head) pairs from which the decode walks 64-wide V tiles (`decode.decode_tiles`)
+NORM_MIN_PAIRS = decode.WALK_MIN_PAIRS  # the pairs from which the decode's programs already walk several V tiles
 
 
 def decode_takes_norm(num_rows: int, num_heads: int, x: torch.Tensor) -> bool:

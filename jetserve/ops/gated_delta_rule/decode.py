@@ -95,12 +95,15 @@ def gated_delta_rule_decode_kernel(
     pdl_exit(PDL)
 
 
+WALK_MIN_PAIRS = 512  # (sequence, head) pairs from which a program walks two 64-wide V tiles (`decode_tiles`)
+
+
 def decode_tiles(
     num_pairs: int, V: int, block_v: int | None, chunks: int | None = None, whole_head: bool = False
 ) -> tuple[int, int]:
     """(BV, CHUNKS) for `num_pairs` (sequence, head) pairs: a given block_v (with chunks, 1 unless given); otherwise
-    32-wide tiles, one a program, under 512 pairs, and past that 64-wide tiles two a program. `whole_head` (the output
-    norm): the tiles a program walks cover V.
+    32-wide tiles, one a program, under WALK_MIN_PAIRS pairs, and past that 64-wide tiles two a program.
+    `whole_head` (the output norm): the tiles a program walks cover V.
 
     H200 sweeps (session 24, 2B shape, 24 layers' states from HBM in a CUDA graph, µs a layer): batch 64 45.7 → 43.7
     and 44.7 → 43.9, batch 256 166.6 → 162.2 and 170.1 → 162.8 — q, k, the gates and their norms loaded once for two
@@ -108,7 +111,7 @@ def decode_tiles(
     2B decode step (TPOT, same GPU): batch 64 3.451 → 3.431 ms, batch 256 7.598 → 7.577."""
     if block_v is not None:
         BV, chunks = block_v, chunks or 1
-    elif num_pairs < 512:
+    elif num_pairs < WALK_MIN_PAIRS:
         BV, chunks = min(triton.next_power_of_2(V), 32), 1
     else:
         BV = min(triton.next_power_of_2(V), 64)

@@ -489,7 +489,7 @@ def test_triton_decode_splits_cover_the_merge():
     assert decode.decode_plan(2, 80, cpu) == (4, 16, 1, 1)  # one sequence: the key range is split and merged
     assert decode.decode_plan(10, 80, cpu) == (1, 16, 1, 1)  # five sequences: one program each
     assert decode.decode_plan(2, 20, cpu) == (2, 16, 1, 1)  # no more splits than key tiles
-    assert decode.num_splits(2, 80, 16, cpu) == 3  # verify keeps its rule
+    assert decode.decode_plan(2, 80, cpu, verify=True) == (4, 16, 1, 1)
 
 
 def test_decode_plan_on_an_h200(monkeypatch):
@@ -505,6 +505,8 @@ def test_decode_plan_on_an_h200(monkeypatch):
     assert decode.decode_plan(2, 4096, cuda) == (64, 64, 4, 2)  # batch 1: 64 splits of 64-key tiles
     assert decode.decode_plan(2, 16384, cuda) == (64, 128, 4, 2)
     assert decode.decode_plan(2, 100, cuda) == (2, 64, 4, 2)  # never more splits than tiles
+    assert decode.decode_plan(128, 4096, cuda, verify=True) == (2, 64, 4, 2)  # verify: 64-key tiles always
+    assert decode.decode_plan(2, 4096, cuda, verify=True) == (64, 64, 4, 2)
 
 
 # (prefix lens, tree nodes, chain, window, ring, dtype): 9 nodes x 2 heads per group is two row blocks in the

@@ -182,23 +182,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits(num_programs: int, capacity_tokens: int, block_n: int, device: torch.device) -> int:
-    """Verify's key-range splits per (sequence, KV head, row block): enough programs for two per SM (8 on the CPU
-    interpreter), each split keeping at least two key tiles of the largest context the cache can hold."""
-    target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else INTERPRET_TARGET_PROGRAMS
-    wanted = triton.cdiv(target, max(1, num_programs))
-    return max(1, min(wanted, triton.cdiv(capacity_tokens, 2 * block_n), 64))
-
-
-def _tiles(interpret: bool) -> tuple[int, int, int]:
-    """Verify's (BLOCK_N, num_warps, num_stages): 64/4/3, the best or tied in an early H200 sweep of decode and verify
-    (batch 1-256, 4K context). Session 24's verify sweep found splits rounded down with 64/4/2 27-40% faster at batch
-    64 (docs/performance.md); not applied until its GPU tests run."""
-    return (16, 1, 1) if interpret else (64, 4, 3)
-
-
-def decode_plan(num_programs: int, capacity_tokens: int, device: torch.device) -> tuple[int, int, int, int]:
-    """Decode's (splits, BLOCK_N, num_warps, num_stages) for `num_programs` (sequence, KV head) pairs.
+def decode_plan(
+    num_programs: int, capacity_tokens: int, device: torch.device, verify: bool = False
+) -> tuple[int, int, int, int]:
+    """(splits, BLOCK_N, num_warps, num_stages) for `num_programs` (sequence, KV head, row block) programs; `verify`:
+    a tree of draft nodes, whose programs hold up to 64 query rows — 64-key tiles always (H200, session 24: at batch
+    64, 4K prefix, chain 6 / tree 8: 126 / 131 → 92 / 93 µs, window 1152 62 / 66 → 39 / 40; batch 1 11.3 / 11.8 →
+    10.4 / 10.7, against splits rounded up and 3 stages).
 
     Splits: as many as keep the grid within two programs per SM (8 in all on the CPU interpreter), rounded down —
     a third program on some SMs costs the whole launch a second wave — and at most 64. Tiles: 128 keys, 4 warps and 2
@@ -210,7 +200,7 @@ def decode_plan(num_programs: int, capacity_tokens: int, device: torch.device) -
         splits = INTERPRET_TARGET_PROGRAMS // max(1, num_programs)
         return max(1, min(splits, triton.cdiv(capacity_tokens, 16))), 16, 1, 1
     splits = max(1, min(2 * _num_sms(device.index or 0) // max(1, num_programs), 64))
-    block_n = 128 if capacity_tokens >= splits * 2 * 128 else 64
+    block_n = 128 if capacity_tokens >= splits * 2 * 128 and not verify else 64
     return max(1, min(splits, triton.cdiv(capacity_tokens, block_n))), block_n, 4, 2
 
 
@@ -248,11 +238,7 @@ def _launch(
     if window_tokens:
         capacity = min(capacity, window_tokens)
     num_programs = num_seqs * num_kv_heads * num_row_blocks
-    if num_nodes == 1:
-        splits, block_n, num_warps, num_stages = decode_plan(num_programs, capacity, q.device)
-    else:
-        block_n, num_warps, num_stages = _tiles(interpret)
-        splits = num_splits(num_programs, capacity, block_n, q.device)
+    splits, block_n, num_warps, num_stages = decode_plan(num_programs, capacity, q.device, verify=num_nodes > 1)
     if splits > 1:
         o_part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)

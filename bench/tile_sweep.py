@@ -125,7 +125,7 @@ def attn_cases(
                 nbytes=nbytes) -> tuple[float, float, int]:  # fmt: skip
             original = decode.decode_plan
             if plan is not None:
-                decode.decode_plan = lambda *args: plan
+                decode.decode_plan = lambda *args, **kwargs: plan
             try:
                 got = decode.attention_decode(q, k, v, *caches[0], lens, tables, slots, **opts)
                 err = float((got.float() - want.float()).abs().max())

@@ -512,6 +512,10 @@ def _estimate_steps(engine: LLMEngine, prompts: list[list[int]], params: Samplin
 
 
 def _progress(label: str, done: int, total: int, width: int = 30) -> None:
+    """`total` is `_estimate_steps`'s, which counts prefill as if each step's whole budget went to prompts; decode rows
+    that ride in prefill steps take some of it (H200, 128 × 64K prompts: 2087 steps against 2078), so past the
+    estimate the count is its own total."""
+    total = max(total, done)
     filled = min(width, width * done // max(total, 1))
     print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps", end="", file=sys.stderr)
 

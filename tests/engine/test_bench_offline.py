@@ -80,3 +80,12 @@ def test_bench_offline_mtbench_prompts_with_the_default_draft(capsys):
                                  "1", "--device", "cpu"]))  # fmt: skip
     with pytest.raises(ValueError, match="--dataset mtbench: needs --model"):
         run_offline_bench(parse(["--config", "tiny", "--dataset", "mtbench", "--device", "cpu"]))
+
+
+def test_progress_never_counts_past_its_total(capsys):
+    from jetserve.engine.bench_offline import _progress
+
+    _progress("decode b=2", 3, 10, width=10)
+    assert capsys.readouterr().err == "\rdecode b=2 [###.......] 3/10 steps"
+    _progress("decode b=2", 12, 10, width=10)  # more steps than the estimate: the bar is full, the total follows
+    assert capsys.readouterr().err == "\rdecode b=2 [##########] 12/12 steps"

@@ -80,3 +80,19 @@ def _release_cuda_memory_between_gpu_tests(request):
         gc.collect()
         torch.cuda.empty_cache()
     yield
+
+
+@pytest.fixture
+def decode_norm_calls(monkeypatch) -> list[bool]:
+    """Per call of the Triton gated-delta-rule decode from here on, whether it ran the JetBlock's output norm."""
+    from jetserve.ops.gated_delta_rule import decode
+
+    calls: list[bool] = []
+    original = decode.gated_delta_rule_decode
+
+    def counted(*args, **kw):
+        calls.append(kw.get("norm") is not None)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(decode, "gated_delta_rule_decode", counted)
+    return calls

@@ -172,10 +172,10 @@ def test_graph_replay_equals_eager_2b_shapes():
 
 @torch.inference_mode()
 def test_batched_decode_2b_shapes_as_close_as_reference_ops(decode_norm_calls):
-    """64 rows of decode at the 2B shapes (bf16, 4 layers) take the JetBlock's batched path (cuBLAS input projection,
-    the output norm in the delta rule's launch, o_proj a plain GEMM), which the engine's other GPU tests (43 rows at
-    most) never reach. Against the same weights in fp32 on the reference ops, its logits are within 1.25x (+1e-3) of
-    the bf16 reference ops' own error: rounding, not a wrong path (whose error would be of order 1)."""
+    """64 rows of decode at the 2B shapes (bf16, 4 layers) take the JetBlock's batched path (the output norm in the
+    delta rule's launch, o_proj a plain GEMM), which the other GPU tests check only graph against eager (the 2B-shape
+    bucket of 48). Against the same weights in fp32 on the reference ops, its logits are within 1.25x (+1e-3) of the
+    bf16 reference ops' own error: rounding, not a wrong path (whose error would be of order 1)."""
     from jetserve.model.fusion import fuse_projections
     from jetserve.model.jet_nemotron import cast_model
     from jetserve.model.static_cache import StaticCache

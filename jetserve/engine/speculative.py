@@ -555,8 +555,8 @@ class SpecDecoder:
         """Verify `tree` with the target, commit the accepted paths, catch the draft up on them. Returns [N, T_d + 2]
         int64: the emitted tokens (accepted drafts then the bonus, -1 after), the accepted node count (root
         included) and the tree's depth, per sequence — read with one host transfer."""
-        fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata)
         is_chain = self.shapes[shape].topk == 1
+        fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata, is_chain)
         out = self.verifier.verify(fb, tree, sampling, is_chain=is_chain)
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
         emitted = out.emitted_tokens(tree)  # [N, T_d]

@@ -41,6 +41,7 @@ class ForwardBatch:
     swa_kv: KVMetadata | None = None  # `swa` layers
     tree_parents: torch.Tensor | None = None  # [N, T_d] int32, VERIFY only: parent node, -1 for node 0
     tree_mask: torch.Tensor | None = None  # [N, T_d, T_d] bool, VERIFY only: mask[i, a] = a is i or an ancestor
+    tree_is_chain: bool = False  # VERIFY only: every tree is a chain (topk = 1; the delta rule's faster kernel)
     capture_layers: tuple[int, ...] = ()  # layers whose input hidden states are returned (EAGLE-3 features)
 
     @property

@@ -113,7 +113,9 @@ class JetBlock(InputProjections, nn.Module):
             o = jet_mixer_decode(u, h, *conv_args, q, k, a, b, *gate_args, fb.state_indices)  # [T, H, V]
         else:
             v = dynamic_conv_verify(u, h, *conv_args, fb.state_indices, fb.tree_parents).view(T, H, V)
-            o = gated_delta_rule_verify(q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents)
+            o = gated_delta_rule_verify(
+                q, k, v, a, b, *gate_args, fb.state_indices, fb.tree_parents, is_chain=fb.tree_is_chain
+            )
             self.verify_inputs = (u, k, v, a, b)
         # o_proj(gated_rms_norm(o, o_norm.weight, gate)): the per-head norm runs in the GEMM's prologue
         out = o.reshape(T, D_v)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from jetserve import envs
 
 BACKENDS = ("reference", "triton")
+INTERPRETER_SMS = 4  # the launch heuristics' SM count off the GPU: keeps interpreter grids small
 _forced: str | None = None
 
 
@@ -26,3 +29,11 @@ def use_triton(x: torch.Tensor) -> bool:
     if name == "triton":
         return x.is_cuda or envs.triton_interpret()
     return x.is_cuda
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (INTERPRETER_SMS elsewhere), queried once per device."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -58,11 +58,16 @@ class Verifier:
         self.capture_layers = capture_layers  # the drafter's (draft.capture_layers), to feed its catch-up
 
     def forward_batch(
-        self, tree: DraftTree, prefix_lens: torch.Tensor, state_indices: torch.Tensor, kv_metadata: KVMetadataFn
+        self,
+        tree: DraftTree,
+        prefix_lens: torch.Tensor,
+        state_indices: torch.Tensor,
+        kv_metadata: KVMetadataFn,
+        is_chain: bool = False,
     ) -> ForwardBatch:
         """The VERIFY batch of `tree` [N, T_d]: node j of sequence i is token i*T_d + j, stored at position
         prefix_lens[i] + j, at RoPE position prefix_lens[i] + depth_j. prefix_lens [N]: tokens in the cache before
-        the root. state_indices [N] int32 (slot 0: a padded row)."""
+        the root. state_indices [N] int32 (slot 0: a padded row). `is_chain`: every tree is a chain (topk = 1)."""
         num_seqs, num_nodes = tree.tokens.shape
         device = tree.tokens.device
         prefix = prefix_lens.to(device, torch.long)  # [N]
@@ -83,6 +88,7 @@ class Verifier:
             swa_kv=swa_kv,
             tree_parents=tree.parents,
             tree_mask=tree.mask,
+            tree_is_chain=is_chain,
             capture_layers=self.capture_layers,
         )
 

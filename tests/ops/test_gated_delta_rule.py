@@ -379,8 +379,18 @@ def check_decoded(o, o_ref, pool, pool_ref, before) -> None:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("chain,N,T_d", [(True, 3, 6), (False, 3, 6), (True, 2, 1)])
-def test_triton_verify_matches_reference(chain, N, T_d, poisoned_empty):
+@pytest.mark.parametrize(
+    "chain,is_chain,N,T_d,block_v,warps",
+    [
+        (True, True, 3, 6, BLOCK_V, None),  # the chain form: parents not read
+        (True, False, 3, 6, BLOCK_V, 4),  # a chain through the tree form, several warps a program
+        (False, False, 3, 6, BLOCK_V, None),
+        (False, False, 3, 6, 8, 2),  # 8-wide tiles: V in three
+        (True, True, 2, 1, None, None),  # the root alone; the launch's own tiles
+        (False, False, 2, 7, None, None),
+    ],
+)
+def test_triton_verify_matches_reference(chain, is_chain, N, T_d, block_v, warps, poisoned_empty):
     gen = torch.Generator().manual_seed(11)
     A_log, dt_bias = make_params(H, gen)
     slots = torch.tensor([4, 1, 4][:N], dtype=torch.int32)
@@ -389,13 +399,25 @@ def test_triton_verify_matches_reference(chain, N, T_d, poisoned_empty):
     pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
     before = pool.clone()
     args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias, pool, slots, parents]
-    o = tree.gated_delta_rule_verify(*args, block_v=BLOCK_V)
+    o = tree.gated_delta_rule_verify(*args, is_chain=is_chain, block_v=block_v, num_warps=warps)
     assert torch.equal(pool, before)
     assert_rel_close(o, ref.gated_delta_rule_verify(*args), 1e-5)
 
 
+def test_tree_kernel_tiles_follow_the_measured_picks():
+    """The 2B shape (12 heads, V 256) on an H200's 132 SMs: the tiles session 26 measured fastest (tree.py's table)."""
+    picks = {n: tree.verify_tiles(n * 12, 256, True, 132) for n in (1, 16, 64)}
+    assert picks == {1: (8, 1), 16: (32, 1), 64: (32, 1)}
+    picks = {n: tree.verify_tiles(n * 12, 256, False, 132) for n in (1, 16, 64)}
+    assert picks == {1: (8, 1), 16: (16, 1), 64: (32, 1)}
+    assert {n: tree.commit_tiles(n * 12, 256, 132) for n in (1, 16, 64)} == {1: (16, 1), 16: (32, 1), 64: (64, 4)}
+    assert tree.verify_tiles(1, 4, False, 132) == (4, 1)  # never wider than V's power of two
+    assert tree.commit_tiles(1, 4, 132) == (4, 1)
+
+
 @needs_interpreter
-def test_triton_commit_matches_reference():
+@pytest.mark.parametrize("block_v,warps", [(BLOCK_V, None), (None, None), (8, 4)])
+def test_triton_commit_matches_reference(block_v, warps):
     gen = torch.Generator().manual_seed(12)
     A_log, dt_bias = make_params(H, gen)
     N, T_d = 4, 5
@@ -407,7 +429,7 @@ def test_triton_commit_matches_reference():
     pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
     pool_ref, before = pool.clone(), pool.clone()
     args = [tokens[n] for n in "kvab"] + [A_log, dt_bias]
-    tree.gated_delta_rule_commit(*args, pool, slots, accepted, num, block_v=BLOCK_V)
+    tree.gated_delta_rule_commit(*args, pool, slots, accepted, num, block_v=block_v, num_warps=warps)
     ref.gated_delta_rule_commit(*args, pool_ref, slots, accepted, num)
     assert_rel_close(pool, pool_ref, 1e-5)
     for slot in (0, 3, 4, 5):

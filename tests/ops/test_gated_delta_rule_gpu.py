@@ -139,7 +139,8 @@ def test_verify_and_commit(shape, batch, nodes, chain, dtype):
     slots = distinct_slots(batch, num_slots, nodes)
     pool_ref, before = pool.clone(), pool.clone()
 
-    o = tree.gated_delta_rule_verify(*(tokens[n] for n in "qkvab"), A_log, dt_bias, pool, slots, parents)
+    o = tree.gated_delta_rule_verify(*(tokens[n] for n in "qkvab"), A_log, dt_bias, pool, slots, parents,
+                                     is_chain=chain)  # fmt: skip
     o_ref = reference.gated_delta_rule_verify(*(tokens[n] for n in "qkvab"), A_log, dt_bias, pool, slots, parents)
     torch.cuda.synchronize()
     assert torch.equal(pool, before)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import jetserve.model.jet_block as jet_block
 from jetserve.checkpoint import make_checkpoint
 from jetserve.model.forward_batch import KVMetadata
 from jetserve.model.loader import load_model
@@ -119,6 +120,39 @@ def test_drafted_speculation_equals_plain_greedy(models, topk, num_steps, num_dr
         assert tree.tokens.shape == (3, num_draft_tokens)
         assert bool((out.num_accepted >= 1).all())
     assert [o[:14] for o in spec.outputs] == expected
+
+
+@pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 4, 5), (2, 3, 6)])
+def test_verify_batch_tells_the_delta_rule_its_trees_are_chains(models, monkeypatch, topk, num_steps, num_draft_tokens):
+    """`Verifier.forward_batch(..., is_chain)` reaches every JetBlock's delta-rule verify (whose Triton kernel then
+    takes its chain form), and the rounds still equal plain greedy decoding."""
+    target, draft = models
+    prompts = _prompts([4, 11], seed=5)
+    expected = _plain_greedy(target, prompts, 10)
+    spec = SpecHarness(target, draft, prompts, topk, num_steps, num_draft_tokens)
+    seen = []
+
+    def spy(*args, is_chain=False):
+        seen.append(is_chain)
+        return real(*args, is_chain=is_chain)
+
+    real = jet_block.gated_delta_rule_verify
+    monkeypatch.setattr(jet_block, "gated_delta_rule_verify", spy)
+    while min(len(o) for o in spec.outputs) < 10:
+        tree = spec.drafter.draft_tree(spec.last_hidden, spec.roots, spec.prefix_lens(), spec.kv)
+        fb = spec.verifier.forward_batch(tree, spec.prefix_lens(), spec.state_indices, spec.kv_metadata, topk == 1)
+        out = spec.verifier.verify(fb, tree, is_chain=topk == 1)
+        spec.cache.commit(spec.ids, out.num_accepted.tolist())
+        for seq, row in zip(spec.outputs, out.emitted_tokens(tree).tolist(), strict=True):
+            seq += [t for t in row if t >= 0]
+        spec.last_hidden = spec.drafter.extend_after_verify(
+            tree, out.accepted_nodes, out.num_accepted, out.emitted_tokens(tree), out.aux_hidden_states, spec.kv
+        )
+        spec.roots = out.bonus
+    num_jet = sum(layer.kind == "jet" for layer in target.model.layers)
+    assert num_jet > 0 and len(seen) % num_jet == 0 and len(seen) > 0
+    assert set(seen) == {topk == 1}
+    assert [o[:10] for o in spec.outputs] == expected
 
 
 @pytest.mark.parametrize("num_steps, num_draft_tokens", [(4, 5), (4, 3), (1, 2)])

@@ -104,12 +104,15 @@ def gated_delta_rule_verify(
     state_indices: torch.Tensor,
     tree_parents: torch.Tensor,
     scale: float | None = None,
+    *,
+    is_chain: bool = False,
 ) -> torch.Tensor:
     """Draft-tree outputs: q, k [N*T_d, H, K], v [N*T_d, H, V], a, b [N*T_d, H], A_log, dt_bias [H] fp32,
-    state [S, H, K, V] fp32 (read only), state_indices [N] int32, tree_parents [N, T_d] int32 -> [N*T_d, H, V].
-    See `reference.gated_delta_rule_verify`."""
+    state [S, H, K, V] fp32 (read only), state_indices [N] int32, tree_parents [N, T_d] int32 -> [N*T_d, H, V];
+    `is_chain`: every row is a chain (topk = 1 drafts), the Triton kernel's faster form. See
+    `reference.gated_delta_rule_verify`."""
     fn = tree.gated_delta_rule_verify if use_triton(q) else reference.gated_delta_rule_verify
-    return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents, scale)
+    return fn(q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents, scale, is_chain=is_chain)
 
 
 def gated_delta_rule_commit(

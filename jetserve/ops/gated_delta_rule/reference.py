@@ -263,12 +263,15 @@ def gated_delta_rule_verify(
     state_indices: torch.Tensor,
     tree_parents: torch.Tensor,
     scale: float | None = None,
+    *,
+    is_chain: bool = False,
 ) -> torch.Tensor:
     """Outputs of a draft tree per sequence, without writing `state`.
 
     Token `i*T_d + j` is node j of sequence i; `tree_parents [N, T_d]` gives each node's parent (-1 for node 0, and
     `parent < j` otherwise). Node j's state is `state[state_indices[i]]` advanced along its ancestry path (root first,
-    node j last). Returns o `[T, H, V]` in `v.dtype`, `T = N*T_d`.
+    node j last). Returns o `[T, H, V]` in `v.dtype`, `T = N*T_d`. `is_chain` promises every row is a chain (parent
+    j - 1); the result is the same with or without it (the Triton kernel then skips the parents).
     """
     check_heads(q, k, v, a, b)
     check_state(state, k, v)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.ops.backend import sm_count
 from jetserve.ops.linear.reference import (
     AddNorm,
     check_add_norm,
@@ -31,7 +32,6 @@ MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row b
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
 FMA_LONG_K = 4096  # one-row FMA tiles: up to this K, 8 warps per program; past it, 2 rows per program (4 warps)
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
-INTERPRETER_SMS = 4  # the heuristic's SM count off the GPU: keeps interpreter grids small
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -240,14 +240,6 @@ def _split_sum_kernel(
         b_y = tl.load(out_w + o_n, mask=m_n, other=0.0).to(tl.float32) * (b_h32 * rstd)
     tl.store(y + i_m * N + o_n, b_y.to(y.dtype.element_ty), mask=m_n)
     pdl_exit(PDL)
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (INTERPRETER_SMS elsewhere), queried once per device."""
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:

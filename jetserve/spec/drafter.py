@@ -10,6 +10,7 @@ n + d - 1 with input (its token, the draft output at its parent).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,14 @@ class DraftKV:
         """Physical slots [T] int64 of `positions` [T] in the pages of sequences `rows` [T]."""
         pages = self.block_tables[rows, positions // self.page_size].long()
         return pages * self.page_size + positions % self.page_size
+
+
+# Rows of at most this many tokens (the levels of `draft_tree`, a verify step's catch-up) attend through the verify
+# kernel with a causal mask: its programs split each row's cached prefix and hold all of the row's tokens, where the
+# prefill kernel's programs each walk the whole prefix for a few queries. Longer rows (a ring's catch-up) keep the
+# prefill kernel. Measured before (session 26, 2B shape, chain 6, 1K prefix, H200): the six prefill-kernel launches
+# of a verify step took 216 µs at batch 1 and 752 µs at 64.
+ROWS_VERIFY_MAX_WIDTH = 16
 
 
 class Drafter:
@@ -64,6 +73,24 @@ class Drafter:
             has_initial_state=torch.ones(num_seqs, dtype=torch.bool, device=positions.device),
             max_seqlen_q=max_seqlen_q,
             kv=KVMetadata(slot_mapping=slots, block_tables=block_tables),
+        )
+
+    def _rows_batch(
+        self, positions: torch.Tensor, num_rows: int, width: int, context_lens: torch.Tensor, slots: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> ForwardBatch:  # fmt: skip
+        """A draft forward of `num_rows` rows of `width` tokens each, row i's at positions context_lens[i] - width
+        onward, causal among themselves: a VERIFY batch of chains while the rows are short (`ROWS_VERIFY_MAX_WIDTH`),
+        else a PREFILL batch. positions [N*C], context_lens [N] int64, slots [N*C] (-1: not stored)."""
+        device = positions.device
+        cu = torch.arange(num_rows + 1, device=device) * width
+        if width > ROWS_VERIFY_MAX_WIDTH:
+            return self._prefill_batch(positions, cu, context_lens, slots, block_tables, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # [C, C]: node a ≤ j is j's ancestor
+        return dataclasses.replace(
+            self._prefill_batch(positions, cu, context_lens, slots, block_tables, width),
+            phase=Phase.VERIFY,
+            tree_mask=causal.expand(num_rows, width, width).contiguous(),  # [N, C, C]
         )
 
     def extend(
@@ -122,8 +149,7 @@ class Drafter:
         rows = torch.arange(num_seqs, device=device)  # [N]
         stored = offset[None, :] < num_valid[:, None]  # [N, C]
         slots = torch.where(stored, kv.slots(rows[:, None].expand(-1, width), positions), -1)  # [N, C]
-        cu = torch.arange(num_seqs + 1, device=device) * width  # [N+1]
-        fb = self._prefill_batch(positions.view(-1), cu, starts + width, slots.view(-1), kv.block_tables, width)
+        fb = self._rows_batch(positions.view(-1), num_seqs, width, starts + width, slots.view(-1), kv.block_tables)
         hidden = self.draft(input_ids.reshape(-1), self.draft.project_features(aux_hidden_states), fb)  # [N*C, H]
         return hidden.view(num_seqs, width, -1)[rows, last]
 
@@ -192,11 +218,9 @@ class Drafter:
             branch_hidden = chain_hidden.gather(1, pick[..., None].expand(-1, -1, depth, hidden_size))  # [N, k, d, H]
             # [N, k, d] made dense: with N = 1 the expanded view would flatten to a stride-0 vector
             positions = (roots[:, None, None] + torch.arange(depth, device=device)).expand(-1, k, -1).contiguous()
-            cu = torch.arange(num_seqs * k + 1, device=device) * depth
-            fb = self._prefill_batch(
-                positions.reshape(-1), cu, roots[rows] + depth,
-                torch.full((num_seqs * k * depth,), -1, dtype=torch.long, device=device),
-                kv.block_tables[rows], depth,
+            fb = self._rows_batch(
+                positions.reshape(-1), num_seqs * k, depth, roots[rows] + depth,
+                torch.full((num_seqs * k * depth,), -1, dtype=torch.long, device=device), kv.block_tables[rows],
             )  # fmt: skip
             out = self.draft(branch_tokens.reshape(-1), branch_hidden.reshape(-1, hidden_size), fb)  # [N*k*d, H]
             frontier_out = out.view(num_seqs, k, depth, hidden_size)[:, :, -1]  # [N, k, H]
@@ -233,10 +257,9 @@ class Drafter:
         chain_hidden = last_hidden[:, None, :]  # [N, 1, H]: the draft inputs' hidden part, depth 1 .. d
         for depth in range(1, self.num_draft_tokens - 1):
             positions = roots[:, None] + torch.arange(depth, device=device)  # [N, d]
-            cu = torch.arange(num_seqs + 1, device=device) * depth
-            fb = self._prefill_batch(
-                positions.view(-1), cu, roots + depth,
-                torch.full((num_seqs * depth,), -1, dtype=torch.long, device=device), kv.block_tables, depth,
+            fb = self._rows_batch(
+                positions.view(-1), num_seqs, depth, roots + depth,
+                torch.full((num_seqs * depth,), -1, dtype=torch.long, device=device), kv.block_tables,
             )  # fmt: skip
             chain_tokens = torch.stack(tokens, dim=1)  # [N, d]
             out = self.draft(chain_tokens.view(-1), chain_hidden.reshape(-1, hidden_size), fb)  # [N*d, H]

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import jetserve.model.jet_block as jet_block
+from jetserve import envs
 from jetserve.checkpoint import make_checkpoint
 from jetserve.model.forward_batch import KVMetadata
 from jetserve.model.loader import load_model
 from jetserve.model.static_cache import StaticCache
+from jetserve.ops.backend import set_backend
 from jetserve.spec.drafter import Drafter, DraftKV
 from jetserve.spec.eagle3 import load_draft_model, make_draft_checkpoint
 from jetserve.spec.tree import DraftTree, ancestor_mask
@@ -153,6 +155,39 @@ def test_verify_batch_tells_the_delta_rule_its_trees_are_chains(models, monkeypa
     assert num_jet > 0 and len(seen) % num_jet == 0 and len(seen) > 0
     assert set(seen) == {topk == 1}
     assert [o[:10] for o in spec.outputs] == expected
+
+
+@pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton variants run here in the interpreter")
+@pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 3, 4), (2, 2, 4)])
+def test_draft_rows_through_the_verify_kernel_equal_the_reference(models, topk, num_steps, num_draft_tokens):
+    """Draft levels and a catch-up of short rows attend through `attention_verify` with a causal mask
+    (`ROWS_VERIFY_MAX_WIDTH`): in the Triton interpreter the drafted tree, the rows' outputs and the draft cache equal
+    the reference ops' (the cache's unused pages are NaN)."""
+    target, draft = models
+    spec = SpecHarness(target, draft, _prompts([5, 9], seed=4), topk, num_steps, num_draft_tokens)
+    caches = (draft.midlayer.self_attn.k_cache, draft.midlayer.self_attn.v_cache)
+    before = [c.clone() for c in caches]
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 259, (2, 3), generator=gen)
+    features = [torch.randn(6, target.config.hidden_size, generator=gen) for _ in draft.capture_layers]
+    valid = torch.tensor([3, 1])
+    results = []
+    for backend in ("reference", "triton"):
+        for c, b in zip(caches, before, strict=True):
+            c.copy_(b)
+        set_backend(backend)
+        try:
+            tree = spec.drafter.draft_tree(spec.last_hidden, spec.roots, spec.prefix_lens(), spec.kv)
+            hidden = spec.drafter.extend_rows(ids, features, spec.prefix_lens(), spec.kv, valid)
+        finally:
+            set_backend(None)
+        results.append((tree, hidden, [c.clone() for c in caches]))
+    (want_tree, want, want_caches), (tree, got, got_caches) = results
+    assert torch.equal(tree.tokens, want_tree.tokens) and torch.equal(tree.parents, want_tree.parents)
+    torch.testing.assert_close(tree.scores, want_tree.scores, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for x, y in zip(got_caches, want_caches, strict=True):
+        torch.testing.assert_close(x.nan_to_num(nan=-7.0), y.nan_to_num(nan=-7.0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_steps, num_draft_tokens", [(4, 5), (4, 3), (1, 2)])

@@ -10,6 +10,7 @@ import triton
 from jetserve.ops.dynamic_conv import reference as ref
 from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit
 from jetserve.ops.dynamic_conv.decode import dynamic_conv_decode
+from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 from jetserve.ops.dynamic_conv.prefill import dynamic_conv_prefill
 from jetserve.ops.dynamic_conv.verify import dynamic_conv_verify
 
@@ -358,8 +359,6 @@ def test_triton_decode_matches_reference(
 
     assert (num_seqs <= decode.EARLY_LOADS_MAX_ROWS) == (num_seqs == 13)
     if gpu_tiles:
-        from jetserve.ops.dynamic_conv.kernel_generator import Tiles
-
         monkeypatch.setattr(decode, "decode_tiles_for", lambda x, rows: Tiles(*gpu_tiles))
     d, g, num_steps = 40, 20, 3
     gen = torch.Generator().manual_seed(width)
@@ -389,8 +388,16 @@ def test_triton_decode_matches_reference(
 
 @interpreted
 @poisoned
-@pytest.mark.parametrize(("chain", "dtype"), [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
-def test_triton_verify_matches_reference_and_reads_only(chain: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("chain", "dtype", "tiles"),
+    [
+        (False, torch.float32, None),
+        (True, torch.float32, None),
+        (False, torch.float16, None),
+        (False, torch.float32, Tiles(block_tokens=16, block_channels=8, block_g=32, num_warps=2)),  # 3 channel tiles
+    ],
+)
+def test_triton_verify_matches_reference_and_reads_only(chain: bool, dtype: torch.dtype, tiles: Tiles | None) -> None:
     num_seqs, num_nodes, width, d, g = 3, 7, 4, 24, 20
     w2_weight, w2_bias, pool, slots, parents, u, h = _verify_case(
         num_seqs, num_nodes, width, d, g, seed=13, chain=chain
@@ -399,7 +406,7 @@ def test_triton_verify_matches_reference_and_reads_only(chain: bool, dtype: torc
     pool[0] = float("nan")
     before = pool.clone()
     expect = ref.dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents)
-    out = dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents)
+    out = dynamic_conv_verify(u, h, w2_weight, w2_bias, pool, slots, parents, tiles=tiles)
     assert torch.isfinite(out).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out, expect, rtol=tol, atol=tol)

@@ -95,12 +95,13 @@ class SpecHarness:
     def prefix_lens(self):
         return torch.tensor(self.cache.lengths, dtype=torch.long)
 
-    def step(self, tree=None, sampling=None):
-        """One round: draft (or take `tree`), verify, commit, catch the draft up. Returns (tree, VerifyOutput)."""
+    def step(self, tree=None, sampling=None, is_chain=False):
+        """One round: draft (or take `tree`), verify, commit, catch the draft up. Returns (tree, VerifyOutput).
+        `is_chain`: the trees are chains (topk = 1), told to the VERIFY batch and the greedy acceptance."""
         drafted = self.drafter.draft_tree(self.last_hidden, self.roots, self.prefix_lens(), self.kv)
         tree = drafted if tree is None else tree
-        fb = self.verifier.forward_batch(tree, self.prefix_lens(), self.state_indices, self.kv_metadata)
-        out = self.verifier.verify(fb, tree, sampling)
+        fb = self.verifier.forward_batch(tree, self.prefix_lens(), self.state_indices, self.kv_metadata, is_chain)
+        out = self.verifier.verify(fb, tree, sampling, is_chain=is_chain)
         self.cache.commit(self.ids, out.num_accepted.tolist())
         for seq, row in zip(self.outputs, out.emitted_tokens(tree).tolist(), strict=True):
             seq += [t for t in row if t >= 0]
@@ -141,16 +142,7 @@ def test_verify_batch_tells_the_delta_rule_its_trees_are_chains(models, monkeypa
     real = jet_block.gated_delta_rule_verify
     monkeypatch.setattr(jet_block, "gated_delta_rule_verify", spy)
     while min(len(o) for o in spec.outputs) < 10:
-        tree = spec.drafter.draft_tree(spec.last_hidden, spec.roots, spec.prefix_lens(), spec.kv)
-        fb = spec.verifier.forward_batch(tree, spec.prefix_lens(), spec.state_indices, spec.kv_metadata, topk == 1)
-        out = spec.verifier.verify(fb, tree, is_chain=topk == 1)
-        spec.cache.commit(spec.ids, out.num_accepted.tolist())
-        for seq, row in zip(spec.outputs, out.emitted_tokens(tree).tolist(), strict=True):
-            seq += [t for t in row if t >= 0]
-        spec.last_hidden = spec.drafter.extend_after_verify(
-            tree, out.accepted_nodes, out.num_accepted, out.emitted_tokens(tree), out.aux_hidden_states, spec.kv
-        )
-        spec.roots = out.bonus
+        spec.step(is_chain=topk == 1)
     num_jet = sum(layer.kind == "jet" for layer in target.model.layers)
     assert num_jet > 0 and len(seen) % num_jet == 0 and len(seen) > 0
     assert set(seen) == {topk == 1}

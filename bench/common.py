@@ -246,7 +246,7 @@ def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nod
     parents = tree_parents(n, nodes, chain, device)
     if kind == "verify":
         return (
-            lambda: gated_delta_rule_verify(q, k, v, a, b, *gates, idx, parents),
+            lambda: gated_delta_rule_verify(q, k, v, a, b, *gates, idx, parents, is_chain=chain),  # as the engine
             io_bytes + state_bytes,
             6 * T * H * K * V,
         )

@@ -9,10 +9,15 @@ import triton.language as tl
 
 
 @triton.jit
+def unit(b_x, EPS: tl.constexpr):
+    """An fp32 `[BK]` vector divided by sqrt(|x|² + EPS)."""
+    return b_x * tl.rsqrt(tl.sum(b_x * b_x) + EPS)
+
+
+@triton.jit
 def load_unit(ptr, o_k, m_k, EPS: tl.constexpr):
     """A `[BK]` vector (masked lanes 0) divided by sqrt(|x|² + EPS), in fp32."""
-    b_x = tl.load(ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
-    return b_x * tl.rsqrt(tl.sum(b_x * b_x) + EPS)
+    return unit(tl.load(ptr + o_k, mask=m_k, other=0.0).to(tl.float32), EPS)
 
 
 @triton.jit

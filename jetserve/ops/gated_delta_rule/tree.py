@@ -21,6 +21,7 @@ from jetserve.ops.gated_delta_rule.step import (
     delta_step,
     gates,
     token_step,
+    unit,
     unit_last_stride,
 )
 from jetserve.ops.layout import dense
@@ -141,8 +142,8 @@ def gated_delta_rule_verify_kernel(
                                                     stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
         if not CHAIN:
             parent1 = tl.load(parents + nxt)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + EPS)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + EPS) * scale
+        b_k = unit(b_k, EPS)
+        b_q = unit(b_q, EPS) * scale
         b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
         if CHAIN:
             b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
@@ -230,7 +231,7 @@ def gated_delta_rule_commit_kernel(
             b_k1, _, b_v1, b_a1, b_b1 = _node_inputs(k, k, v, a, b, t, i_h, 0, 0, stride_k_t, stride_k_h,
                                                      stride_v_t, stride_v_h, stride_a_t, stride_b_t, o_k, m_k, o_v,
                                                      m_v, False)  # fmt: skip
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + EPS)
+            b_k = unit(b_k, EPS)
             b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
             b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
         tl.store(p_s, b_s, mask=m_s)

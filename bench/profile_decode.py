@@ -3,7 +3,10 @@
 read-back), then whole-batch decode steps under the PyTorch profiler: wall milliseconds per step beside the GPU's
 busy time per step (kernel time summed), the step's roofline (its bytes over the copy bandwidth measured here), and
 the kernels that take the most GPU time with their calls per step. One JSON line per batch size with --json FILE.
+With `--draft random`, the steps are speculative (a random EAGLE-3 draft, adaptive speculation off so every step
+verifies, drafts forced wrong by default: the verify step's overhead, kernel by kernel).
 Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
+       [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7 [--forced-acceptance wrong|right]]
 """
 
 from __future__ import annotations
@@ -25,9 +28,15 @@ from jetserve.sampling_params import SamplingParams
 def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int, bandwidth: float) -> dict:
     gen = torch.Generator().manual_seed(batch_size)
     prefill_steps = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 4 * steps + 8, ignore_eos=True)
+    spec = engine.spec
+    per_step = max(s.num_draft_tokens for s in spec.shapes) if spec is not None and spec.forced == "right" else 1
+    params = SamplingParams(temperature=0, max_tokens=(prefill_steps + 4 * steps + 8) * per_step, ignore_eos=True)
     for i in range(batch_size):
-        engine.add_request(f"p{i}", torch.randint(0, 1000, (input_len,), generator=gen).tolist(), params)
+        prompt = torch.randint(0, 1000, (input_len,), generator=gen).tolist()
+        if engine.spec is not None and engine.spec.forced is not None:  # drafts forced from a made-up continuation
+            tail = torch.randint(0, 1000, (params.max_tokens + 64,), generator=gen).tolist()
+            engine.spec.forced_continuations[f"p{i}"] = prompt + tail
+        engine.add_request(f"p{i}", prompt, params)
     for _ in range(prefill_steps + steps):  # prefill, then warm decode steps (graph replay, allocator)
         engine.step()
     torch.cuda.synchronize()
@@ -165,13 +174,26 @@ def main() -> None:
         help="decode steps launched ahead (the engine's default; steps launched ahead skip the scheduler); the "
         "phase breakdown synchronises at every phase boundary, so its phases add up to a step without overlap",
     )  # fmt: skip
+    p.add_argument("--draft", choices=["random"], help="speculative steps with a random EAGLE-3 draft")
+    p.add_argument("--spec-topk", type=int, default=1)
+    p.add_argument("--spec-steps", type=int, default=6)
+    p.add_argument("--spec-num-draft-tokens", type=int, default=7)
+    p.add_argument("--forced-acceptance", choices=["right", "wrong"], default="wrong")
     args = p.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device("cuda")
     model = random_model(args.config, "bfloat16", device, seed=0)
-    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4 * args.steps + 256,
-                          overlap_scheduling=args.overlap_scheduling)  # fmt: skip
-    engine = LLMEngine(config, model=model, tokenizer=None)
+    spec, draft = {}, None
+    if args.draft:
+        from jetserve.spec.eagle3 import random_draft_model
+
+        draft = random_draft_model(model, seed=0)
+        spec = dict(draft="random", spec_topk=args.spec_topk, spec_steps=args.spec_steps,
+                    spec_num_draft_tokens=args.spec_num_draft_tokens, spec_adaptive=False)  # fmt: skip
+    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 40 * args.steps + 512,
+                          overlap_scheduling=args.overlap_scheduling, **spec)  # fmt: skip
+    forced = args.forced_acceptance if args.draft else None
+    engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance=forced)
     bandwidth = measure_copy_bandwidth(device)
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]
     if args.json:

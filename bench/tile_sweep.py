@@ -1,15 +1,15 @@
 """Tile sweeps behind the fixed heuristics, at the 2B/4B decode shapes: the attention decode's launch plan
-(`decode_plan`: splits and key tiles, N = 1, 64, 256 at 4K context, full and windowed), the gated-delta-rule
-decode's V tiles (`decode_tiles`, N = 64, 256), the dynamic-conv decode kernel's tiles
-(`decode_tiles_for`, N = 1 and 16 by default) and the skinny GEMM's tilings (`choose_tiling`; one row by default, or
-any number of rows against today's dispatch, cuBLAS past `ops.linear`'s row limits) in the modes the model runs them
-(fused input projections with the SiLU epilogue, o_proj with the gated norm, gate|up, down with SwiGLU). Weights
-rotate through copies larger than 4x the L2, so they come from HBM as in a decode step. Per tiling: µs per call
-(median of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in the same run (the roofline:
-the bytes a call must move over that bandwidth), its error against the reference, and which tiling the heuristic
-picks now. One JSON line per tiling with --json FILE.
-Usage: python bench/tile_sweep.py [--models 2b] [--only conv|gemm|attn|delta] [--rows 1,32,64] [--conv-rows 1,16,64]
-       [--attn-rows 1,64,256] [--delta-rows 64,256] [--json FILE]
+(`decode_plan`: splits and key tiles, N = 1, 64, 256 at 4K context, full and windowed), the gated-delta-rule decode's
+V tiles (`decode_tiles`, N = 64, 256), the dynamic-conv decode kernel's tiles (`decode_tiles_for`, N = 1 and 16 by
+default), the dynamic-conv verify kernel's (chains and trees of drafts) and the skinny GEMM's tilings
+(`choose_tiling`; one row by default, or any number of rows against today's dispatch, cuBLAS past `ops.linear`'s row
+limits) in the modes the model runs them (fused input projections with the SiLU epilogue, o_proj with the gated norm,
+gate|up, down with SwiGLU). Weights rotate through copies larger than 4x the L2, so they come from HBM as in a decode
+step. Per tiling: µs per call (median of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in
+the same run (the roofline: the bytes a call must move over that bandwidth), its error against the reference, and
+which tiling the heuristic picks now. One JSON line per tiling with --json FILE.
+Usage: python bench/tile_sweep.py [--models 2b] [--only conv|verify|gemm|attn|delta] [--rows 1,32,64]
+       [--conv-rows 1,16,64] [--verify-trees 1x7c,64x8t] [--attn-rows 1,64,256] [--delta-rows 64,256] [--json FILE]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
 """
 
@@ -80,6 +80,52 @@ def conv_cases(
             return ms / 1e3 / len(w2s), err, nbytes
 
         cases.append((f"{s.name} dynamic_conv decode N={n}", tilings, run, decode.decode_tiles_for(u, n)))
+    return cases
+
+
+def conv_verify_cases(
+    s, dtype: torch.dtype, device: str, smoke: bool, trees: tuple[str, ...] = ("1x7c", "16x7c", "64x7c", "64x8t")
+) -> list[tuple[str, list, Callable, object]]:
+    """The conv verify kernel's tiles (`dynamic_conv_verify`'s `tiles`) for each tree batch of `trees`: "NxTc" is N
+    sequences of T-node chains, "NxTt" of T-node binary trees. The decode kernel's tilings are swept (16-row tiles up
+    to 16 rows, the larger ones past it); w2 rotates through copies past 4x the L2."""
+    from common import tree_parents
+
+    from jetserve.ops.dynamic_conv import reference, verify
+    from jetserve.ops.dynamic_conv.kernel_generator import Tiles
+
+    d, g, width = s.channels, s.generator, s.conv
+    grid = itertools.product((8, 16, 32), (64, 128), (1, 2, 4)) if not smoke else [(8, 128, 2)]
+    small = [Tiles(16, bd, bg, warps, 3) for bd, bg, warps in grid]
+    grid = itertools.product((16, 32, 64), (8, 16, 32), (64, 128), (2, 4)) if not smoke else [(32, 8, 64, 2)]
+    large = [Tiles(bt, bd, bg, warps, 3) for bt, bd, bg, warps in grid]
+    gen = torch.Generator(device=device).manual_seed(4)
+    copies = weight_copies(d * width * g * dtype.itemsize, device)
+    w2s = [(torch.randn(d * width, g, device=device, generator=gen) * g**-0.5).to(dtype) for _ in range(copies)]
+    bias = torch.randn(d * width, device=device, generator=gen).to(dtype)
+    cases = []
+    for spec in trees if not smoke else ("1x3c", "3x7t"):
+        n, nodes = map(int, spec[:-1].split("x"))
+        rows = n * nodes
+        u = torch.randn(rows, d, device=device, generator=gen).to(dtype)
+        h = torch.randn(rows, g, device=device, generator=gen).to(dtype)
+        slots = torch.arange(1, n + 1, device=device, dtype=torch.int32)
+        state = torch.randn(n + 1, width - 1, d, device=device, generator=gen).to(dtype)
+        parents = tree_parents(n, nodes, spec.endswith("c"), device)
+        want = reference.dynamic_conv_verify(u, h, w2s[0], bias, state, slots, parents)
+        nbytes = (w2s[0].numel() + bias.numel() + 2 * u.numel() + h.numel() + n * (width - 1) * d) * dtype.itemsize
+
+        def run(tiles, u=u, h=h, slots=slots, state=state, parents=parents, want=want, nbytes=nbytes):
+            got = verify.dynamic_conv_verify(u, h, w2s[0], bias, state, slots, parents, tiles=tiles)
+            err = float((got.float() - want.float()).abs().max())
+            ms = time_ms(
+                lambda: [verify.dynamic_conv_verify(u, h, w, bias, state, slots, parents, tiles=tiles) for w in w2s],
+                device,
+            )
+            return ms / 1e3 / len(w2s), err, nbytes
+
+        tilings, picked = small if rows <= 16 else large, verify.verify_tiles_for(u, rows)
+        cases.append((f"{s.name} dynamic_conv verify {spec} ({rows} rows)", tilings, run, picked))
     return cases
 
 
@@ -249,9 +295,14 @@ def gemm_cases(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="2b")
-    p.add_argument("--only", default="", choices=["", "conv", "gemm", "attn", "delta"])
+    p.add_argument("--only", default="", choices=["", "conv", "verify", "gemm", "attn", "delta"])
     p.add_argument("--rows", default="1", help="rows of x for the GEMM cases, comma-separated")
     p.add_argument("--conv-rows", default="1,16", help="sequences for the conv decode cases, comma-separated")
+    p.add_argument(
+        "--verify-trees",
+        default="1x7c,16x7c,64x7c,64x8t",
+        help="conv verify batches: NxTc (N chains of T nodes) or NxTt (N binary trees), comma-separated",
+    )
     p.add_argument("--attn-rows", default="1,64,256", help="sequences for the attention decode cases")
     p.add_argument("--delta-rows", default="64,256", help="sequences for the gated-delta-rule decode cases")
     p.add_argument("--cases", default="", help="only GEMM cases whose name holds one of these, comma-separated")
@@ -270,6 +321,8 @@ def main() -> None:
         cases = []
         if args.only in ("", "conv"):
             cases += conv_cases(s, dtype, device, args.smoke, tuple(map(int, args.conv_rows.split(","))))
+        if args.only in ("", "verify"):
+            cases += conv_verify_cases(s, dtype, device, args.smoke, tuple(args.verify_trees.split(",")))
         if args.only in ("", "gemm"):
             for rows in map(int, args.rows.split(",") if not args.smoke else (1, 3)):
                 cases += gemm_cases(s, dtype, device, args.smoke, rows)

@@ -395,6 +395,8 @@ def test_triton_decode_matches_reference(
         (True, torch.float32, None),
         (False, torch.float16, None),
         (False, torch.float32, Tiles(block_tokens=16, block_channels=8, block_g=32, num_warps=2)),  # 3 channel tiles
+        (True, torch.float32, Tiles(16, 8, 128, num_warps=1)),  # the GPU's (verify_tiles_for) up to 16 rows ...
+        (False, torch.float32, Tiles(64, 16, 64, num_warps=4)),  # ... and up to VERIFY_NARROW_MAX_ROWS
     ],
 )
 def test_triton_verify_matches_reference_and_reads_only(chain: bool, dtype: torch.dtype, tiles: Tiles | None) -> None:

@@ -77,6 +77,23 @@ def decode_tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
     return Tiles(block_tokens=16, block_channels=8, block_g=128, num_warps=2, num_stages=3)
 
 
+VERIFY_NARROW_MAX_ROWS = 256  # up to this many draft rows the verify kernel takes 16-channel blocks (more programs)
+
+
+def verify_tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
+    """The tree verify kernel's tiles (session 27's sweep on an H200, 2B shape, w2 from HBM, µs a call against
+    `tiles_for`): up to 16 rows, the decode's 16 x 8 tiles with one warp (a chain of 6 at batch 1, 7 rows: 7.21 →
+    5.73); up to VERIFY_NARROW_MAX_ROWS, 64-row tiles of 16 channels (16 chains, 112 rows: 8.79 → 7.76); past it
+    `tiles_for`'s 64 x 32 (64 chains, 448 rows: 18.22 against 20.48 with 16 channels)."""
+    if not x.is_cuda:
+        return tiles_for(x, num_rows)
+    if num_rows <= 16:
+        return Tiles(block_tokens=16, block_channels=8, block_g=128, num_warps=1, num_stages=3)
+    if num_rows <= VERIFY_NARROW_MAX_ROWS:
+        return Tiles(block_tokens=64, block_channels=16, block_g=64, num_warps=4, num_stages=3)
+    return tiles_for(x, num_rows)
+
+
 def dot_precision(x: torch.Tensor) -> str:
     """`ieee` for fp32 inputs (TF32 would lose the fp32 contract); 16-bit inputs ignore it."""
     return "ieee" if x.dtype == torch.float32 else "tf32"

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.dynamic_conv.checks import check_verify_args
-from jetserve.ops.dynamic_conv.kernel_generator import Tiles, dot_precision, kernel_tile, tiles_for
+from jetserve.ops.dynamic_conv.kernel_generator import Tiles, dot_precision, kernel_tile, verify_tiles_for
 from jetserve.ops.layout import dense
 
 
@@ -109,7 +109,7 @@ def dynamic_conv_verify(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Dynamic conv over a draft tree per sequence; never writes `conv_state`. `tiles` overrides the launch's
-    (`tiles_for`), for tests and sweeps.
+    (`verify_tiles_for`), for tests and sweeps.
 
     u [T, D], h [T, G] (same dtype as w2_weight) with T = N*T_d (token i*T_d + j is node j of sequence i),
     w2_weight [D*W, G], w2_bias [D*W], conv_state [S, W-1, D], state_indices [N] int32, tree_parents [N, T_d] int32
@@ -129,7 +129,7 @@ def dynamic_conv_verify(
     out = torch.empty_like(u, memory_format=torch.contiguous_format)  # [T, D]
     if num_rows == 0:
         return out
-    tiles = tiles or tiles_for(u, num_rows)
+    tiles = tiles or verify_tiles_for(u, num_rows)
     grid = (triton.cdiv(num_rows, tiles.block_tokens), triton.cdiv(num_channels, tiles.block_channels))
     _verify_kernel[grid](
         u,

@@ -77,7 +77,7 @@ def decode_tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
     return Tiles(block_tokens=16, block_channels=8, block_g=128, num_warps=2, num_stages=3)
 
 
-VERIFY_NARROW_MAX_ROWS = 256  # up to this many draft rows the verify kernel takes 16-channel blocks (more programs)
+VERIFY_NARROW_MAX_ROWS = 128  # up to this many draft rows the verify kernel takes 16-channel blocks (more programs)
 
 
 def verify_tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:

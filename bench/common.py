@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from jetserve.model.fusion import OUTPUT_ROW_ALIGN  # noqa: E402
 from jetserve.ops.attention import (  # noqa: E402
     apply_rope,
     attention_decode,
@@ -69,6 +70,13 @@ class Shapes:
     @property
     def generator(self) -> int:  # D_g
         return self.channels // 8
+
+    @property
+    def jet_in(self) -> int:
+        """The JetBlock's fused input projection's width as the model runs it: 2 D_k + D_g + 2 D_v + 2 H, padded to a
+        multiple of `fusion.OUTPUT_ROW_ALIGN`."""
+        width = 2 * self.jet_heads * self.key_dim + self.generator + 2 * self.channels + 2 * self.jet_heads
+        return width + -width % OUTPUT_ROW_ALIGN
 
 
 SHAPES = {
@@ -352,9 +360,8 @@ def rope_expanded_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Ca
 def linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int) -> Case:
     """The decode-time GEMMs of one layer through `ops.linear` (Triton up to GEMV_MAX_ROWS rows), and the logits:
     the weight read once, x read and y written."""
-    key_dim, value_dim = s.jet_heads * s.key_dim, s.channels
     n, k = {
-        "jet in": (2 * key_dim + 2 * value_dim + 2 * s.jet_heads + s.generator, s.hidden),
+        "jet in": (s.jet_in, s.hidden),
         "gate|up": (2 * s.mlp, s.hidden),
         "down": (s.hidden, s.mlp),
         "logits": (s.vocab, s.hidden),
@@ -372,7 +379,7 @@ def fused_linear_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: 
     ("gated-norm o")."""
     key_dim, value_dim = s.jet_heads * s.key_dim, s.channels
     if kind == "jet in silu":
-        n, k = 2 * key_dim + 2 * value_dim + 2 * s.jet_heads + s.generator, s.hidden
+        n, k = s.jet_in, s.hidden
         x, w = _randn(m, k, dtype=dtype, device=device), _randn(n, k, dtype=dtype, device=device, scale=k**-0.5)
         silu_cols = 2 * key_dim + s.generator
         return lambda: linear(x, w, silu_cols=silu_cols), _nbytes(x, w) + m * n * dtype.itemsize, 2 * m * n * k

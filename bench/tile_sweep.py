@@ -255,8 +255,7 @@ def gemm_cases(
     hidden, mlp, d_v = s.hidden, s.mlp, s.channels
     d_k = s.jet_heads * s.key_dim
     silu_cols = 2 * d_k + s.generator
-    n_in = silu_cols + 2 * d_v + 2 * s.jet_heads
-    shapes = {"fused input": (n_in, hidden), "o_proj gated norm": (hidden, d_v), "gate|up": (2 * mlp, hidden),
+    shapes = {"fused input": (s.jet_in, hidden), "o_proj gated norm": (hidden, d_v), "gate|up": (2 * mlp, hidden),
               "down SwiGLU": (hidden, mlp)}  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1)
     cases = []

@@ -15,7 +15,7 @@ from jetserve.checkpoint import make_checkpoint
 from jetserve.config import ModelConfig
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.model.fusion import InputProjections, fuse_projections
+from jetserve.model.fusion import OUTPUT_ROW_ALIGN, InputProjections, fuse_projections
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM, cast_model
 from jetserve.model.loader import load_model
 from jetserve.model.static_cache import StaticCache
@@ -99,7 +99,14 @@ def test_loaded_model_is_fused_with_unchanged_names(tiny_checkpoint):
             if bias is not None:
                 assert linear.bias.data_ptr() == bias[rows].data_ptr()
             start = rows.stop
-        assert start == weight.shape[0]
+        assert start == module.fused_input.width and weight.shape[0] % OUTPUT_ROW_ALIGN == 0
+        assert weight.shape[0] - start < OUTPUT_ROW_ALIGN and not weight[start:].any()  # zero padding rows
+        if bias is not None:
+            assert not bias[start:].any()
+    jet = next(layer.self_attn for layer in fused.model.layers if layer.kind == "jet")
+    assert jet.fused_input.width % OUTPUT_ROW_ALIGN != 0  # the tiny JetBlock's 204 columns: padded, so tested
+    projected = jet.project(torch.randn(5, fused.config.hidden_size))
+    assert projected.shape == (5, jet.fused_input.width) and projected.stride(0) % OUTPUT_ROW_ALIGN == 0
     attention = next(layer.self_attn for layer in fused.model.layers if layer.kind != "jet")
     assert attention.fused_input.bias is not None  # Qwen2 q/k/v biases are fused too
 

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("only", ["conv", "gemm", "attn", "delta"])
+@pytest.mark.parametrize("only", ["conv", "verify", "gemm", "attn", "delta"])
 def test_tile_sweep_smoke_runs_every_tiling(only, tmp_path):
     out = tmp_path / "sweep.jsonl"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}

@@ -84,7 +84,8 @@ def verify_tiles_for(x: torch.Tensor, num_rows: int) -> Tiles:
     """The tree verify kernel's tiles (session 27's sweep on an H200, 2B shape, w2 from HBM, µs a call against
     `tiles_for`): up to 16 rows, the decode's 16 x 8 tiles with one warp (a chain of 6 at batch 1, 7 rows: 7.21 →
     5.73); up to VERIFY_NARROW_MAX_ROWS, 64-row tiles of 16 channels (16 chains, 112 rows: 8.79 → 7.76); past it
-    `tiles_for`'s 64 x 32 (64 chains, 448 rows: 18.22 against 20.48 with 16 channels)."""
+    `tiles_for`'s 64 x 32 (168, 256 and 448 rows: 10.04, 10.02 and 18.22 µs against 12.12, 13.03 and 20.48 with 16
+    channels)."""
     if not x.is_cuda:
         return tiles_for(x, num_rows)
     if num_rows <= 16:

@@ -108,6 +108,15 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def jet_projection(s: Shapes, T: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
+    """q, k [T, H, K], h [T, G], u [T, D], a, b [T, H], gate [T, D] as a JetBlock's ops get them: views of one
+    [T, `Shapes.jet_in`] projection output, rows strided (the stride decides whether row loads vectorise)."""
+    H, K, D, G = s.jet_heads, s.key_dim, s.channels, s.generator
+    split = [H * K, H * K, G, D, H, H, D]
+    q, k, h, u, a, b, gate = _randn(T, s.jet_in, dtype=dtype, device=device)[:, : sum(split)].split(split, dim=-1)
+    return q.view(T, H, K), k.view(T, H, K), h, u, a, b, gate
+
+
 def tree_parents(num_seqs: int, num_nodes: int, chain: bool, device: str) -> torch.Tensor:
     """[N, T_d] int32: a chain (parent j-1) or a binary-ish tree (parent (j-1)//2), node 0's parent -1."""
     j = torch.arange(num_nodes, device=device)
@@ -143,8 +152,7 @@ def conv_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, no
     state = _randn(num_seqs + 1, W - 1, D, dtype=dtype, device=device)
     idx = _slots(num_seqs, device)
     T = n if kind in ("decode", "prefill") else n * nodes
-    u = _randn(T, D, dtype=dtype, device=device)
-    h = _randn(T, G, dtype=dtype, device=device)
+    _, _, h, u, _, _, _ = jet_projection(s, T, dtype, device)  # [T, G], [T, D]
     window_bytes = _nbytes(state[1:])
     io_bytes = _nbytes(u, h, w2, bias) + _nbytes(u)  # inputs + output
     if kind == "decode":
@@ -183,9 +191,7 @@ def mixer_case(s: Shapes, dtype: torch.dtype, device: str, n: int, fused: bool) 
     bias = _randn(D * W, dtype=dtype, device=device, scale=0.1)
     conv_state = _randn(n + 1, W - 1, D, dtype=dtype, device=device)
     state = _randn(n + 1, H, K, V, dtype=torch.float32, device=device, scale=0.1)
-    u, h = _randn(n, D, dtype=dtype, device=device), _randn(n, G, dtype=dtype, device=device)
-    q, k = _randn(n, H, K, dtype=dtype, device=device), _randn(n, H, K, dtype=dtype, device=device)
-    a, b = _randn(n, H, dtype=dtype, device=device), _randn(n, H, dtype=dtype, device=device)
+    q, k, h, u, a, b, _ = jet_projection(s, n, dtype, device)
     A_log = torch.empty(H, device=device).uniform_(0, 2.7)
     dt_bias = torch.empty(H, device=device).uniform_(-4, -1)
     idx = _slots(n, device)
@@ -227,9 +233,8 @@ def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nod
     H, K, V = s.jet_heads, s.key_dim, s.value_dim
     num_seqs = 1 if kind == "prefill" else n
     T = n if kind in ("decode", "prefill") else n * nodes
-    q, k = _randn(T, H, K, dtype=dtype, device=device), _randn(T, H, K, dtype=dtype, device=device)
-    v = _randn(T, H, V, dtype=dtype, device=device)
-    a, b = _randn(T, H, dtype=dtype, device=device), _randn(T, H, dtype=dtype, device=device)
+    q, k, _, _, a, b, _ = jet_projection(s, T, dtype, device)  # q, k [T, H, K]; a, b [T, H]
+    v = _randn(T, H, V, dtype=dtype, device=device)  # the conv's output: contiguous
     A_log = torch.empty(H, device=device).uniform_(0, 2.7)
     dt_bias = torch.empty(H, device=device).uniform_(-4, -1)
     state = _randn(num_seqs + 1, H, K, V, dtype=torch.float32, device=device, scale=0.1)

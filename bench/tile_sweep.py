@@ -5,9 +5,11 @@ default), the dynamic-conv verify kernel's (chains and trees of drafts) and the 
 (`choose_tiling`; one row by default, or any number of rows against today's dispatch, cuBLAS past `ops.linear`'s row
 limits) in the modes the model runs them (fused input projections with the SiLU epilogue, o_proj with the gated norm,
 gate|up, down with SwiGLU). Weights rotate through copies larger than 4x the L2, so they come from HBM as in a decode
-step. Per tiling: µs per call (median of CUDA-graph replays), GB/s and the fraction of the copy bandwidth measured in
-the same run (the roofline: the bytes a call must move over that bandwidth), its error against the reference, and
-which tiling the heuristic picks now. One JSON line per tiling with --json FILE.
+step. The JetBlock ops' inputs are row-strided views of one projection output of the model's width
+(`common.jet_projection`), as the model passes them. Per tiling: µs per call (median of CUDA-graph replays), GB/s and
+the fraction of the copy bandwidth measured in the same run (the roofline: the bytes a call must move over that
+bandwidth), its error against the reference, and which tiling the heuristic picks now. One JSON line per tiling with
+--json FILE.
 Usage: python bench/tile_sweep.py [--models 2b] [--only conv|verify|gemm|attn|delta] [--rows 1,32,64]
        [--conv-rows 1,16,64] [--verify-trees 1x7c,64x8t] [--attn-rows 1,64,256] [--delta-rows 64,256] [--json FILE]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
@@ -44,6 +46,8 @@ def conv_cases(
     """(case name, tilings, run(tiles) → (seconds per call, max error, bytes), the heuristic's pick) for the conv
     decode at each N of `ns` (token tiles of 16 rows up to N = 16, of 16, 32 and 64 past it);
     `s` is one of `common.SHAPES`."""
+    from common import jet_projection
+
     from jetserve.ops.dynamic_conv import decode, reference
     from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 
@@ -59,8 +63,7 @@ def conv_cases(
     cases = []
     for n in ns if not smoke else (1, 3, 20):
         tilings = small if n <= 16 else large
-        u = torch.randn(n, d, device=device, generator=gen).to(dtype)
-        h = torch.randn(n, g, device=device, generator=gen).to(dtype)
+        _, _, h, u, _, _, _ = jet_projection(s, n, dtype, device)  # row-strided views, as the model passes them
         slots = torch.arange(1, n + 1, device=device, dtype=torch.int32)
         state = torch.randn(n + 1, width - 1, d, device=device, generator=gen).to(dtype)
         want = reference.dynamic_conv_decode(u, h, w2s[0], bias, state.clone(), slots)
@@ -89,7 +92,7 @@ def conv_verify_cases(
     """The conv verify kernel's tiles (`dynamic_conv_verify`'s `tiles`) for each tree batch of `trees`: "NxTc" is N
     sequences of T-node chains, "NxTt" of T-node binary trees. The decode kernel's tilings are swept (16-row tiles up
     to 16 rows, the larger ones past it); w2 rotates through copies past 4x the L2."""
-    from common import tree_parents
+    from common import jet_projection, tree_parents
 
     from jetserve.ops.dynamic_conv import reference, verify
     from jetserve.ops.dynamic_conv.kernel_generator import Tiles
@@ -107,8 +110,7 @@ def conv_verify_cases(
     for spec in trees if not smoke else ("1x3c", "3x7t"):
         n, nodes = map(int, spec[:-1].split("x"))
         rows = n * nodes
-        u = torch.randn(rows, d, device=device, generator=gen).to(dtype)
-        h = torch.randn(rows, g, device=device, generator=gen).to(dtype)
+        _, _, h, u, _, _, _ = jet_projection(s, rows, dtype, device)  # row-strided views, as the model passes them
         slots = torch.arange(1, n + 1, device=device, dtype=torch.int32)
         state = torch.randn(n + 1, width - 1, d, device=device, generator=gen).to(dtype)
         parents = tree_parents(n, nodes, spec.endswith("c"), device)
@@ -191,6 +193,8 @@ def delta_cases(
 ) -> list[tuple[str, list, Callable, object]]:
     """The gated-delta-rule decode's V tiles (`decode_tiles`: tile width, tiles a program walks) for each N of `ns`;
     the fp32 states rotate through copies past 4x the L2. Tilings are (BV, chunks)."""
+    from common import jet_projection
+
     from jetserve.ops.gated_delta_rule import decode, reference
 
     heads, kd, vd = s.jet_heads, s.key_dim, s.value_dim
@@ -201,9 +205,8 @@ def delta_cases(
         state_bytes = (n + 1) * heads * kd * vd * 4
         copies = weight_copies(state_bytes, device)
         states = [torch.randn(n + 1, heads, kd, vd, device=device, generator=gen) * 0.1 for _ in range(copies)]
-        q, k = (torch.randn(n, heads, kd, device=device, generator=gen).to(dtype) for _ in range(2))
+        q, k, _, _, a, b, _ = jet_projection(s, n, dtype, device)  # row-strided views, as the model passes them
         v = torch.randn(n, heads, vd, device=device, generator=gen).to(dtype)
-        a, b = (torch.randn(n, heads, device=device, generator=gen).to(dtype) for _ in range(2))
         A_log, dt_bias = torch.rand(heads, device=device), torch.rand(heads, device=device)
         idx = torch.arange(1, n + 1, device=device, dtype=torch.int32)
         want = reference.gated_delta_rule_decode(q, k, v, a, b, A_log, dt_bias, states[0].clone(), idx)

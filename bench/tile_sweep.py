@@ -40,6 +40,15 @@ def weight_copies(nbytes: int, device: str) -> int:
     return max(2, -(-L2_MULTIPLE * torch.cuda.get_device_properties(device).L2_cache_size // nbytes))
 
 
+def conv_weights(s, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Generator, list, torch.Tensor]:
+    """(a generator, copies of the conv's w2 [D*W, G] past L2_MULTIPLE x the L2, its bias [D*W])."""
+    d, g, width = s.channels, s.generator, s.conv
+    gen = torch.Generator(device=device).manual_seed(seed)
+    copies = weight_copies(d * width * g * dtype.itemsize, device)
+    w2s = [(torch.randn(d * width, g, device=device, generator=gen) * g**-0.5).to(dtype) for _ in range(copies)]
+    return gen, w2s, torch.randn(d * width, device=device, generator=gen).to(dtype)
+
+
 def conv_cases(
     s, dtype: torch.dtype, device: str, smoke: bool, ns: tuple[int, ...] = (1, 16)
 ) -> list[tuple[str, list, Callable, object]]:
@@ -51,15 +60,12 @@ def conv_cases(
     from jetserve.ops.dynamic_conv import decode, reference
     from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 
-    d, g, width = s.channels, s.generator, s.conv
+    d, width = s.channels, s.conv
     grid = itertools.product((8, 16, 32), (64, 128), (2, 4), (2, 3, 4)) if not smoke else [(8, 128, 2, 3)]
     small = [Tiles(16, bd, bg, warps, stages) for bd, bg, warps, stages in grid]
     grid = itertools.product((16, 32, 64), (8, 16, 32), (64, 128), (2, 4, 8)) if not smoke else [(32, 8, 64, 2)]
     large = [Tiles(bt, bd, bg, warps, 3) for bt, bd, bg, warps in grid]
-    gen = torch.Generator(device=device).manual_seed(0)
-    copies = weight_copies(d * width * g * dtype.itemsize, device)
-    w2s = [(torch.randn(d * width, g, device=device, generator=gen) * g**-0.5).to(dtype) for _ in range(copies)]
-    bias = torch.randn(d * width, device=device, generator=gen).to(dtype)
+    gen, w2s, bias = conv_weights(s, dtype, device, seed=0)
     cases = []
     for n in ns if not smoke else (1, 3, 20):
         tilings = small if n <= 16 else large
@@ -97,15 +103,12 @@ def conv_verify_cases(
     from jetserve.ops.dynamic_conv import reference, verify
     from jetserve.ops.dynamic_conv.kernel_generator import Tiles
 
-    d, g, width = s.channels, s.generator, s.conv
+    d, width = s.channels, s.conv
     grid = itertools.product((8, 16, 32), (64, 128), (1, 2, 4)) if not smoke else [(8, 128, 2)]
     small = [Tiles(16, bd, bg, warps, 3) for bd, bg, warps in grid]
     grid = itertools.product((16, 32, 64), (8, 16, 32), (64, 128), (2, 4)) if not smoke else [(32, 8, 64, 2)]
     large = [Tiles(bt, bd, bg, warps, 3) for bt, bd, bg, warps in grid]
-    gen = torch.Generator(device=device).manual_seed(4)
-    copies = weight_copies(d * width * g * dtype.itemsize, device)
-    w2s = [(torch.randn(d * width, g, device=device, generator=gen) * g**-0.5).to(dtype) for _ in range(copies)]
-    bias = torch.randn(d * width, device=device, generator=gen).to(dtype)
+    gen, w2s, bias = conv_weights(s, dtype, device, seed=4)
     cases = []
     for spec in trees if not smoke else ("1x3c", "3x7t"):
         n, nodes = map(int, spec[:-1].split("x"))

@@ -83,7 +83,7 @@ def test_decode_real_shapes(shape: str, batch: int) -> None:
 
 @pytest.mark.parametrize("shape", ["2B", "4B"])
 @pytest.mark.parametrize(("num_nodes", "chain"), [(6, True), (8, False)])
-@pytest.mark.parametrize("batch", [1, 16, 64])  # verify_tiles_for's three tilings: <= 16 rows, <= 256, more
+@pytest.mark.parametrize("batch", [1, 16, 64])  # verify_tiles_for's three tilings: <= 16 rows, <= 128, more
 def test_verify_and_commit_real_shapes(shape: str, num_nodes: int, chain: bool, batch: int) -> None:
     from jetserve.ops.dynamic_conv.commit import dynamic_conv_commit
     from jetserve.ops.dynamic_conv.verify import dynamic_conv_verify

@@ -2,8 +2,8 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,linear,tiles,long,tp,mixer (default: the first
-#   four);
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,verify,linear,tiles,long,tp,mixer (default: the
+#   first four); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts forced wrong) and its profile;
 #   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
@@ -82,6 +82,15 @@ case ",$STAGES," in *,spec,*)
     run "spec_default${policy:+_full}" python3 -m jetserve.cli bench offline --model default --draft default \
       --dataset mtbench --dtype bfloat16 --batch-sizes 1,8,32 --output-len 128 --json $policy
   done ;; esac
+case ",$STAGES," in *,verify,*)  # issue 5's 2B verify step: chain 6 and tree 8, every draft rejected (the overhead)
+  for shape in "1 6 7 chain6" "2 3 8 tree8"; do
+    read -r topk steps nodes name <<< "$shape"
+    run "spec_verify_$name" python3 -m jetserve.cli bench offline --config 2b --draft random --input-len 1024 \
+      --output-len 64 --batch-sizes 1,16,64 --spec-topk "$topk" --spec-steps "$steps" --spec-num-draft-tokens "$nodes" \
+      --forced-acceptance wrong --no-spec-adaptive
+  done
+  run profile_verify python3 bench/profile_decode.py --batch-sizes 1,64 --steps 10 --draft random \
+    --json "$OUT_DIR/profile_verify.jsonl" ;; esac
 case ",$STAGES," in *,long,*)
   python3 -c "import json, sys; from jetserve.checkpoint import preset_config as p
 c = p('2b'); c['max_position_embeddings'] = 131072; json.dump(c, open(sys.argv[1], 'w'))" "$OUT_DIR/2b_64k.json"

@@ -4,9 +4,9 @@ read-back), then whole-batch decode steps under the PyTorch profiler: wall milli
 busy time per step (kernel time summed), the step's roofline (its bytes over the copy bandwidth measured here), and
 the kernels that take the most GPU time with their calls per step. One JSON line per batch size with --json FILE.
 With `--draft random`, the steps are speculative (a random EAGLE-3 draft, adaptive speculation off so every step
-verifies, drafts forced wrong by default: the verify step's overhead, kernel by kernel).
+verifies, every draft forced wrong: the verify step's overhead, kernel by kernel).
 Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
-       [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7 [--forced-acceptance wrong|right]]
+       [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7]
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ from jetserve.sampling_params import SamplingParams
 def profile_batch(engine: LLMEngine, batch_size: int, input_len: int, steps: int, top: int, bandwidth: float) -> dict:
     gen = torch.Generator().manual_seed(batch_size)
     prefill_steps = math.ceil(batch_size * input_len / engine.config.max_num_batched_tokens)
-    spec = engine.spec
-    per_step = max(s.num_draft_tokens for s in spec.shapes) if spec is not None and spec.forced == "right" else 1
-    params = SamplingParams(temperature=0, max_tokens=(prefill_steps + 4 * steps + 8) * per_step, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + 4 * steps + 8, ignore_eos=True)
     for i in range(batch_size):
         prompt = torch.randint(0, 1000, (input_len,), generator=gen).tolist()
-        if engine.spec is not None and engine.spec.forced is not None:  # drafts forced from a made-up continuation
+        if engine.spec is not None:  # drafts forced wrong against a made-up continuation: one token a step
             tail = torch.randint(0, 1000, (params.max_tokens + 64,), generator=gen).tolist()
             engine.spec.forced_continuations[f"p{i}"] = prompt + tail
         engine.add_request(f"p{i}", prompt, params)
@@ -178,7 +176,6 @@ def main() -> None:
     p.add_argument("--spec-topk", type=int, default=1)
     p.add_argument("--spec-steps", type=int, default=6)
     p.add_argument("--spec-num-draft-tokens", type=int, default=7)
-    p.add_argument("--forced-acceptance", choices=["right", "wrong"], default="wrong")
     args = p.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device("cuda")
@@ -190,9 +187,9 @@ def main() -> None:
         draft = random_draft_model(model, seed=0)
         spec = dict(draft="random", spec_topk=args.spec_topk, spec_steps=args.spec_steps,
                     spec_num_draft_tokens=args.spec_num_draft_tokens, spec_adaptive=False)  # fmt: skip
-    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 40 * args.steps + 512,
+    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4 * args.steps + 256,
                           overlap_scheduling=args.overlap_scheduling, **spec)  # fmt: skip
-    forced = args.forced_acceptance if args.draft else None
+    forced = "wrong" if args.draft else None
     engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance=forced)
     bandwidth = measure_copy_bandwidth(device)
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]

@@ -96,8 +96,8 @@ def conv_verify_cases(
     s, dtype: torch.dtype, device: str, smoke: bool, trees: tuple[str, ...] = ("1x7c", "16x7c", "64x7c", "64x8t")
 ) -> list[tuple[str, list, Callable, object]]:
     """The conv verify kernel's tiles (`dynamic_conv_verify`'s `tiles`) for each tree batch of `trees`: "NxTc" is N
-    sequences of T-node chains, "NxTt" of T-node binary trees. The decode kernel's tilings are swept (16-row tiles up
-    to 16 rows, the larger ones past it); w2 rotates through copies past 4x the L2."""
+    sequences of T-node chains, "NxTt" of T-node binary trees. Tilings like the decode sweep's (16-row tiles of 1-4
+    warps up to 16 rows, 16-64-row tiles past it); w2 rotates through copies past 4x the L2."""
     from common import jet_projection, tree_parents
 
     from jetserve.ops.dynamic_conv import reference, verify

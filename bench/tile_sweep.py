@@ -230,9 +230,15 @@ def delta_cases(
     return cases
 
 
-def gemm_tilings(rows: int, smoke: bool) -> list:
+def gemm_tilings(rows: int, smoke: bool, block_ns: tuple[int, ...] = (), splits: tuple[int, ...] = ()) -> list:
     """The tilings swept for `rows` rows of x: one-row FMA and 16-row tensor-core tiles for one row; tensor-core tiles
-    holding all the rows (wider weight tiles, 8 warps, K splits) for more."""
+    holding all the rows (wider weight tiles, 8 warps, K splits) for more. `block_ns` / `splits`, when given, keep only
+    the tilings with those weight-tile widths / K splits."""
+    tilings = _gemm_tilings(rows, smoke)
+    return [t for t in tilings if (not block_ns or t.block_n in block_ns) and (not splits or t.num_splits in splits)]
+
+
+def _gemm_tilings(rows: int, smoke: bool) -> list:
     from jetserve.ops.linear.kernels import GemvTiling
 
     block_m = max(16, 1 << (rows - 1).bit_length())
@@ -240,7 +246,7 @@ def gemm_tilings(rows: int, smoke: bool) -> list:
         return [GemvTiling(1, 4, 64, 1, False, 8, 1)] * (rows == 1) + [GemvTiling(block_m, 32, 32, 2, True, 4, 2)]
     if rows > 1:
         # narrow weight tiles (16, 32: more programs on a narrow N without splitting K) were not swept before session 21
-        dot = itertools.product((16, 32, 64, 128, 256), (64, 128), (3, 4), (1, 2, 4, 8, 16), (4, 8))
+        dot = itertools.product((16, 32, 64, 128, 256), (64, 128), (3, 4), (1, 2, 3, 4, 6, 8, 16), (4, 8))
         return [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
     fma = itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8), (1, 2), (1,))  # 2-4 stages: no change (session 20)
     dot = itertools.product((32, 64), (128,), (3, 4), (1, 4, 16))
@@ -249,20 +255,22 @@ def gemm_tilings(rows: int, smoke: bool) -> list:
 
 
 def gemm_cases(
-    s, dtype: torch.dtype, device: str, smoke: bool, rows: int = 1
+    s, dtype: torch.dtype, device: str, smoke: bool, rows: int = 1, block_ns: tuple = (), splits: tuple = ()
 ) -> list[tuple[str, list, Callable, object]]:
-    """The four decode GEMMs of a JetBlock layer for `rows` rows of x, each in its model mode. The untiled row is the
-    public op (`jetserve.ops.linear`): today's dispatch (past its row limits, the separate prologue kernel and
+    """The four decode GEMMs of a JetBlock layer for `rows` rows of x, each in its model mode (past GEMV_MAX_ROWS rows
+    o_proj and down plain too: the model's mode there). The untiled row is the public op (`jetserve.ops.linear`): today's dispatch (past its row limits, the separate prologue kernel and
     cuBLAS)."""
     from jetserve.ops import linear as public
     from jetserve.ops.linear import kernels, reference
 
-    tilings = gemm_tilings(rows, smoke)
+    tilings = gemm_tilings(rows, smoke, block_ns, splits)
     hidden, mlp, d_v = s.hidden, s.mlp, s.channels
     d_k = s.jet_heads * s.key_dim
     silu_cols = 2 * d_k + s.generator
     shapes = {"fused input": (s.jet_in, hidden), "o_proj gated norm": (hidden, d_v), "gate|up": (2 * mlp, hidden),
               "down SwiGLU": (hidden, mlp)}  # fmt: skip
+    if rows > public.GEMV_MAX_ROWS:  # past the prologues' rows the model runs these two plain (its norm and SiLU
+        shapes |= {"o_proj plain": (hidden, d_v), "down plain": (hidden, mlp)}  # come from their own kernels)
     gen = torch.Generator(device=device).manual_seed(1)
     cases = []
     for name, (n, k) in shapes.items():
@@ -297,6 +305,11 @@ def gemm_cases(
     return cases
 
 
+def ints(text: str) -> tuple[int, ...]:
+    """'1,2,4' → (1, 2, 4); '' → ()."""
+    return tuple(int(v) for v in text.split(",") if v)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="2b")
@@ -311,6 +324,8 @@ def main() -> None:
     p.add_argument("--attn-rows", default="1,64,256", help="sequences for the attention decode cases")
     p.add_argument("--delta-rows", default="64,256", help="sequences for the gated-delta-rule decode cases")
     p.add_argument("--cases", default="", help="only GEMM cases whose name holds one of these, comma-separated")
+    p.add_argument("--block-n", default="", help="only GEMM tilings of these weight-tile widths, comma-separated")
+    p.add_argument("--splits", default="", help="only GEMM tilings of these K splits, comma-separated")
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
     args = p.parse_args()
@@ -330,7 +345,7 @@ def main() -> None:
             cases += conv_verify_cases(s, dtype, device, args.smoke, tuple(args.verify_trees.split(",")))
         if args.only in ("", "gemm"):
             for rows in map(int, args.rows.split(",") if not args.smoke else (1, 3)):
-                cases += gemm_cases(s, dtype, device, args.smoke, rows)
+                cases += gemm_cases(s, dtype, device, args.smoke, rows, ints(args.block_n), ints(args.splits))
         if args.only in ("", "attn"):
             cases += attn_cases(s, dtype, device, args.smoke, tuple(map(int, args.attn_rows.split(","))))
         if args.only in ("", "delta"):

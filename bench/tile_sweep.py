@@ -258,8 +258,8 @@ def gemm_cases(
     s, dtype: torch.dtype, device: str, smoke: bool, rows: int = 1, block_ns: tuple = (), splits: tuple = ()
 ) -> list[tuple[str, list, Callable, object]]:
     """The four decode GEMMs of a JetBlock layer for `rows` rows of x, each in its model mode (past GEMV_MAX_ROWS rows
-    o_proj and down plain too: the model's mode there). The untiled row is the public op (`jetserve.ops.linear`): today's dispatch (past its row limits, the separate prologue kernel and
-    cuBLAS)."""
+    o_proj and down plain too: the model's mode there). The untiled row is the public op (`jetserve.ops.linear`):
+    today's dispatch (past its row limits, the separate prologue kernel and cuBLAS)."""
     from jetserve.ops import linear as public
     from jetserve.ops.linear import kernels, reference
 
@@ -301,6 +301,8 @@ def gemm_cases(
 
         max_rows = public.WIDE_MAX_ROWS if n >= public.WIDE_MIN_N else public.GEMV_MAX_ROWS  # the public op's limit
         picked = "cuBLAS" if rows > max_rows else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
+        if name == "o_proj gated norm" and picked != "cuBLAS":
+            picked = kernels.widened_tiling(picked, s.value_dim, n, k, kernels.sm_count(x.device))
         cases.append((f"{s.name} {name} {n}x{k} M={rows}", tilings, run, picked))
     return cases
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from jetserve.ops.sampling import sample
+from jetserve.ops.sampling import argmax, sample
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.verifier import SamplingRows
 
@@ -85,7 +85,7 @@ class Sampler:
             host = self._host
             is_random = host["temperature"][slots] > 0  # [N]
             if not is_random.any():  # all greedy: the argmax alone (the filters are not looked at)
-                return logits.argmax(dim=-1)
+                return argmax(logits)
             filters = (host["top_k"][slots] > 0) | (host["top_p"][slots] < 1) | (host["min_p"][slots] > 0)  # [N]
             is_filtered = bool((is_random & filters).any())
             has_greedy = not bool(is_random.all())

@@ -155,6 +155,54 @@ def test_linear_kernel_silu_cols(kernels, dtype, num_rows, n, k, silu_cols, tili
     torch.testing.assert_close(actual.double() / scale, exact / scale, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
+@pytest.mark.parametrize("num_rows, n, cols", [(1, 5, 3), (3, 1500, 1100), (70, 40, 40), (2, 2100, 2049)])
+def test_silu_columns_matches_torch_silu_in_place(kernels, dtype, num_rows, n, cols) -> None:
+    """The in-place SiLU of the leading columns (rows strided: a column slice of a wider output), against torch's
+    in-place SiLU; the other columns and the rows' padding untouched."""
+    wide = randn(num_rows, n + 7, dtype=dtype, seed=n, scale=4.0).to(DEVICE)  # [M, N + 7]: the row stride
+    y = wide[:, :n]
+    want = wide.clone()
+    torch.nn.functional.silu(want[:, :cols], inplace=True)
+    assert kernels.silu_columns_(y, cols) is y
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(wide, want, rtol=tol, atol=tol)
+    assert torch.equal(wide[:, cols:], want[:, cols:])
+    y3 = randn(2, 3, n, dtype=dtype, seed=1).to(DEVICE)  # leading dims
+    want3 = y3.clone()
+    torch.nn.functional.silu(want3[..., :cols], inplace=True)
+    torch.testing.assert_close(kernels.silu_columns_(y3, cols), want3, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="silu_columns_"):
+        kernels.silu_columns_(y, n + 1)
+
+
+def test_dispatched_silu_cols_past_the_triton_rows(kernels) -> None:
+    """Past the Triton GEMM's rows the public op runs the reference GEMM, then the SiLU launch: the reference's
+    result, with the launch taken on the Triton backend and not on the reference backend."""
+    num_rows = GEMV_MAX_ROWS + 3
+    x = randn(num_rows, 40, seed=70).to(DEVICE)
+    weight = randn(300, 40, seed=71, scale=40**-0.5).to(DEVICE)
+    want = ref.linear(x, weight, silu_cols=130)
+    calls = []
+    original = kernels.silu_columns_
+
+    def counted(y, cols):
+        calls.append(cols)
+        return original(y, cols)
+
+    kernels.silu_columns_ = counted
+    try:
+        backend.set_backend("triton")
+        torch.testing.assert_close(dispatched_linear(x, weight, silu_cols=130), want, rtol=1e-6, atol=1e-6)
+        assert calls == [130]
+        backend.set_backend("reference")
+        assert torch.equal(dispatched_linear(x, weight, silu_cols=130), want)
+        assert calls == [130]
+    finally:
+        kernels.silu_columns_ = original
+        backend.set_backend(None)
+
+
 def gated_norm_input(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """What the gated-norm mode multiplies: `gated_rms_norm` over heads of norm_weight's size, in o.dtype."""
     from jetserve.ops.norm.reference import gated_rms_norm
@@ -267,6 +315,28 @@ def test_linear_kernel_more_rows_than_one_launch(kernels) -> None:
     x = randn(num_rows, 20, seed=50).to(DEVICE)
     weight = randn(7, 20, seed=51).to(DEVICE)
     assert_matches(kernels.linear(x, weight), x, weight, None)
+
+
+def test_widened_tiling_splits_head_wide_tiles() -> None:
+    """The gated-norm mode's tiles hold whole heads; the K split is chosen again for them (session 28's sweep): the 2B
+    o_proj (1536 x 3072, heads of 256) at 2-16 rows on 132 SMs runs 4 splits of 3 tiles, never more programs than
+    SMs; one-row FMA tiles (1024 wide) and tilings already holding whole heads are kept."""
+    from jetserve.ops.linear.kernels import NORM_MIN_TILES_PER_SPLIT, choose_tiling, widened_tiling
+
+    for num_rows in (2, 7, 16):
+        t = widened_tiling(choose_tiling(num_rows, 1536, 3072, num_sms=132), 256, 1536, 3072, num_sms=132)
+        assert (t.block_k, t.num_splits) == (256, 4)
+    for n, k, head in [(1536, 3072, 256), (2048, 4096, 256), (1536, 512, 256), (300, 96, 32)]:
+        for num_rows in (2, 9, 16):
+            t = widened_tiling(choose_tiling(num_rows, n, k, num_sms=132), head, n, k, num_sms=132)
+            tiles = -(-k // t.block_k)
+            assert t.block_k % head == 0 and -(-n // t.block_n) * t.num_splits <= 132
+            assert t.num_splits == 1 or tiles // t.num_splits >= NORM_MIN_TILES_PER_SPLIT - 1
+            assert -(-tiles // -(-tiles // t.num_splits)) == t.num_splits  # no split without a tile
+    fma = choose_tiling(1, 1536, 3072, num_sms=132)
+    assert widened_tiling(fma, 256, 1536, 3072, num_sms=132) == fma
+    wide = choose_tiling(7, 1536, 3072, num_sms=132)
+    assert widened_tiling(wide, 64, 1536, 3072, num_sms=132) == wide
 
 
 def test_choose_tiling_at_decode_shapes() -> None:

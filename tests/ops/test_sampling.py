@@ -345,3 +345,52 @@ def test_sample_on_gpu_matches_cpu_without_host_sync(kernels, num_rows: int) -> 
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(fast, full)
+
+
+@pytest.mark.parametrize("num_rows, vocab", [(1, 1), (1, 5000), (3, 1025), (40, 8), (2, 3001)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_argmax_matches_torch(kernels, num_rows: int, vocab: int, dtype: torch.dtype) -> None:
+    """The split argmax against torch's: random rows, rows of ties (the first wins), a row of -inf, a maximum in the
+    last token, and NaNs (the first NaN wins, as in torch), through a strided view too."""
+    logits = random_logits(num_rows, vocab, seed=vocab + num_rows).to(dtype)
+    cases = [logits]
+    if num_rows >= 3:
+        ties = logits.clone()
+        ties[0] = 1.0  # one tie group over the row: token 0
+        ties[1, vocab // 3 :] = 50.0  # the first of a run of maxima that starts mid-row (another split)
+        ties[2] = float("-inf")  # nothing above -inf: token 0
+        cases.append(ties)
+        nans = logits.clone()
+        nans[0, vocab - 1] = float("nan")
+        nans[1, vocab // 2] = float("inf")
+        nans[1, vocab - 2 :] = float("nan")
+        nans[2, -1] = 100.0
+        cases.append(nans)
+    for case in cases:
+        case = case.to(DEVICE)
+        assert torch.equal(kernels.argmax(case), case.argmax(dim=-1))
+    wide = torch.stack([logits, -logits], dim=1).to(DEVICE)  # [N, 2, V]: rows of [N, V] views strided by 2V
+    assert torch.equal(kernels.argmax(wide[:, 1]), (-logits).to(DEVICE).argmax(dim=-1))
+    assert torch.equal(kernels.argmax(wide), wide.argmax(dim=-1))  # leading dims kept
+
+
+def test_argmax_rejects_an_empty_vocabulary(kernels) -> None:
+    for module in (kernels, ref):
+        with pytest.raises(ValueError, match="non-empty vocabulary"):
+            module.argmax(torch.zeros(2, 0, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [1, 7, 64, 256])
+def test_argmax_on_gpu_at_the_2b_vocabulary(kernels, num_rows: int) -> None:
+    """The 2B vocabulary in fp32 (the logits the sampler takes), no host synchronisation."""
+    logits = random_logits(num_rows, 151936, seed=num_rows, scale=4.0).cuda()
+    logits[0, 151935] = 1e9  # the maximum in the last token (the last split's last block)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = kernels.argmax(logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(tokens, logits.argmax(dim=-1))

@@ -28,7 +28,8 @@ def linear(
     add_norm: AddNorm | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any leading dims), weight [N, K], bias [N] or None → y [M, N] in x.dtype, SiLU on output columns
-    [0, silu_cols). With `add_norm` = (residual [M, N], norm_weight [N], eps) → `rms_norm(y, norm_weight, eps,
+    [0, silu_cols) (past the Triton GEMM's rows, a Triton launch after cuBLAS where the backend allows it). With
+    `add_norm` = (residual [M, N], norm_weight [N], eps) → `rms_norm(y, norm_weight, eps,
     residual)`'s pair (normed, y + residual): in the Triton launch's epilogue with JETSERVE_ADD_NORM_EPILOGUE=1, else
     the norm op after the GEMM. See `reference.linear`.
 
@@ -40,6 +41,10 @@ def linear(
 
         fused, after = _split_add_norm(add_norm)
         return _then(kernels.linear(x, weight, bias, silu_cols=silu_cols, add_norm=fused), after)
+    if silu_cols and use_triton(x) and not _needs_grad(x, weight) and x.dtype in _TRITON_DTYPES:  # cuBLAS, then SiLU
+        from jetserve.ops.linear import kernels
+
+        return _then(kernels.silu_columns_(reference.linear(x, weight, bias), silu_cols), add_norm)
     return _then(reference.linear(x, weight, bias, silu_cols=silu_cols), add_norm)
 
 
@@ -99,8 +104,12 @@ def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     has no backward)."""
     num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
     max_rows = WIDE_MAX_ROWS if weight.dim() == 2 and weight.shape[0] >= WIDE_MIN_N else GEMV_MAX_ROWS
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return use_triton(x) and not needs_grad and 1 <= num_rows <= max_rows and x.dtype in _TRITON_DTYPES
+    return use_triton(x) and not _needs_grad(x, weight) and 1 <= num_rows <= max_rows and x.dtype in _TRITON_DTYPES
+
+
+def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether autograd needs the product (the Triton kernels have no backward)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def logits_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.sampling import kernels, reference
+from jetserve.ops.sampling.greedy import argmax
 from jetserve.ops.sampling.reference import compute_logprobs, top_logprobs
 from jetserve.ops.sampling.tree_acceptance import (
     chain_accept_greedy,
@@ -37,6 +38,7 @@ def sample(
 
 
 __all__ = [
+    "argmax",
     "chain_accept_greedy",
     "compute_logprobs",
     "sample",

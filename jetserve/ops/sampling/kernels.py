@@ -351,4 +351,77 @@ def sample(
     winner = best_index.gather(1, best_score.argmax(dim=1, keepdim=True)).squeeze(1).long()  # [N]
     if not has_greedy:
         return winner
-    return torch.where(temperature <= 0, logits.argmax(dim=-1), winner)
+    return torch.where(temperature <= 0, argmax(logits), winner)
+
+
+ARGMAX_NONE = 2**31 - 1  # "no index": above every token index
+
+
+@triton.jit
+def _argmax_split_kernel(
+    logits, part_value, part_index, part_nan, V, stride_l, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Program (row n, split s): over its slice, the largest non-NaN value with its first index, and the first NaN's
+    index (ARGMAX_NONE when none)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    b_best = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    b_arg = tl.full((BLOCK_V,), ARGMAX_NONE, tl.int32)
+    b_nan = tl.full((BLOCK_V,), ARGMAX_NONE, tl.int32)
+    for i_v in range(i_s * SPLIT_V, (i_s + 1) * SPLIT_V, BLOCK_V):
+        o_v = i_v + tl.arange(0, BLOCK_V)
+        m_v = o_v < V
+        b_x = tl.load(logits + i_n * stride_l + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
+        is_nan = b_x != b_x
+        b_nan = tl.minimum(b_nan, tl.where(is_nan & m_v, o_v, ARGMAX_NONE))
+        # per lane, a later block replaces only a strictly larger value: the lane keeps its earliest index on ties
+        is_better = m_v & ~is_nan & ((b_x > b_best) | (b_arg == ARGMAX_NONE))
+        b_best = tl.where(is_better, b_x, b_best)
+        b_arg = tl.where(is_better, o_v, b_arg)
+    m_best = tl.max(b_best, axis=0)
+    tl.store(part_value + i_n * num_splits + i_s, m_best)
+    tl.store(part_index + i_n * num_splits + i_s, tl.min(tl.where(b_best == m_best, b_arg, ARGMAX_NONE), axis=0))
+    tl.store(part_nan + i_n * num_splits + i_s, tl.min(b_nan, axis=0))
+
+
+@triton.jit
+def _argmax_merge_kernel(part_value, part_index, part_nan, out, num_splits, BLOCK_S: tl.constexpr):
+    """Row n: the first NaN if the row has one (torch's argmax counts NaN above every number), else the largest value's
+    first index over the splits (in index order, so ties keep the lowest)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < num_splits
+    b_value = tl.load(part_value + i_n * num_splits + o_s, mask=m_s, other=float("-inf"))
+    b_index = tl.load(part_index + i_n * num_splits + o_s, mask=m_s, other=ARGMAX_NONE)
+    b_nan = tl.min(tl.load(part_nan + i_n * num_splits + o_s, mask=m_s, other=ARGMAX_NONE), axis=0)
+    m_best = tl.max(b_value, axis=0)
+    b_first = tl.min(tl.where(b_value == m_best, b_index, ARGMAX_NONE), axis=0)
+    tl.store(out + i_n, tl.where(b_nan < ARGMAX_NONE, b_nan, b_first).to(tl.int64))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for logits [..., V] (fp32/fp16/bf16, rows may be strided) → [...] int64: the first
+    maximum; a NaN counts above every number, as in torch. The row is split so N × splits programs fill the GPU
+    (torch's reduction takes a small batch's row in one block), then one program per row merges the splits."""
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"argmax: logits must end in a non-empty vocabulary dimension, got {tuple(logits.shape)}")
+    lead, vocab_size = logits.shape[:-1], logits.shape[-1]
+    rows = logits.reshape(-1, vocab_size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_rows = rows.shape[0]
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out.view(lead)
+    num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
+    part_value = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
+    part_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)  # [N, splits]
+    part_nan = torch.empty_like(part_index)  # [N, splits]
+    _argmax_split_kernel[(num_rows, num_splits)](
+        rows, part_value, part_index, part_nan, vocab_size, rows.stride(0), SPLIT_V=split_v, BLOCK_V=BLOCK_V
+    )
+    _argmax_merge_kernel[(num_rows,)](
+        part_value, part_index, part_nan, out, num_splits, BLOCK_S=triton.next_power_of_2(num_splits)
+    )
+    return out.view(lead)

@@ -135,6 +135,13 @@ def sample(
     return torch.where(is_greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token: logits [..., V] → [...] int64, the first maximum (a NaN counts above every number)."""
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"argmax: logits must end in a non-empty vocabulary dimension, got {tuple(logits.shape)}")
+    return logits.argmax(dim=-1)
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[i, token_ids[i]]: logits [N, V], token_ids [N] → [N] fp32."""
     if logits.dim() != 2 or token_ids.shape != (logits.shape[0],):

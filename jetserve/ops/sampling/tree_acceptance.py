@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from jetserve.ops.sampling.greedy import argmax
 from jetserve.ops.sampling.reference import filtered_distribution, uniform_noise
 
 # The acceptance draws of a verify step at counter c come from the hash stream of counter c | 2^62, which no
@@ -58,7 +59,7 @@ def tree_accept_greedy(
     """
     num_seqs, num_nodes, _ = _check_tree_inputs(logits, tokens, parents)
     device = logits.device
-    target = logits.argmax(dim=-1)  # [N, T_d]
+    target = argmax(logits)  # [N, T_d]
     parent = parents.long().clamp(min=0)  # [N, T_d]
     is_match = tokens.long() == target.gather(1, parent)  # [N, T_d]: node j's token is the argmax at its parent
     on_path = torch.ones(num_seqs, num_nodes, dtype=torch.bool, device=device)
@@ -81,7 +82,7 @@ def chain_accept_greedy(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[tor
     num_seqs, num_nodes, _ = logits.shape
     if tokens.shape != (num_seqs, num_nodes):
         raise ValueError(f"chain acceptance: tokens must be [N, T_d] = [{num_seqs}, {num_nodes}], got {tokens.shape}")
-    target = logits.argmax(dim=-1)  # [N, T_d]
+    target = argmax(logits)  # [N, T_d]
     is_match = tokens[:, 1:].long() == target[:, :-1]  # [N, T_d - 1]: draft j + 1 is the argmax at node j
     accepted_drafts = is_match.int().cumprod(dim=1).sum(dim=1)  # [N]: the leading run
     nodes = torch.arange(num_nodes, device=logits.device, dtype=torch.int32)  # [T_d]

@@ -44,7 +44,7 @@ from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
 from jetserve.ops.kv_metadata import kv_metadata  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
-from jetserve.ops.sampling import sample  # noqa: E402
+from jetserve.ops.sampling import argmax, sample  # noqa: E402
 
 Case = tuple[Callable[[], object], int, int]
 
@@ -454,6 +454,27 @@ def sample_case(s: Shapes, device: str, n: int, filtered: bool = True) -> Case:
     return lambda: sample(logits, **params, **promises), _nbytes(logits, *params.values()) + n * 8, 0
 
 
+def argmax_case(s: Shapes, device: str, n: int, torch_op: bool = False) -> Case:
+    """The greedy token of n rows of fp32 logits over the vocabulary (the sampler's all-greedy step, greedy
+    acceptance): `ops.sampling.argmax`, or torch's argmax (`torch_op`) for comparison."""
+    logits = _randn(n, s.vocab, dtype=torch.float32, device=device, scale=4.0)
+    op = (lambda: logits.argmax(dim=-1)) if torch_op else (lambda: argmax(logits))
+    return op, _nbytes(logits) + n * 8, 0
+
+
+def silu_columns_case(s: Shapes, dtype: torch.dtype, device: str, n: int, torch_op: bool = False) -> Case:
+    """The SiLU of the JetBlock's q, k and generator columns of n rows of its fused projection output, in place (past
+    the Triton GEMM's rows): `linear.kernels.silu_columns_`, or torch's in-place SiLU on the slice (`torch_op`)."""
+    from jetserve.ops.linear import kernels as linear_kernels
+
+    y = _randn(n, s.jet_in, dtype=dtype, device=device)
+    cols = 2 * s.jet_heads * s.key_dim + s.generator
+    nbytes = 2 * n * cols * y.element_size()
+    if torch_op or not use_triton(y):  # the reference backend: torch's
+        return lambda: torch.nn.functional.silu(y[:, :cols], inplace=True), nbytes, 0
+    return lambda: linear_kernels.silu_columns_(y, cols), nbytes, 0
+
+
 def norm_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int):
     """rms_norm with residual (n tokens, hidden), gated_rms_norm (n tokens, JetBlock heads), silu_and_mul (MLP)."""
     if kind == "rms_norm":
@@ -498,6 +519,11 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         for kind in ("jet in silu", "swiglu down", "gated-norm o"):
             cases[f"linear {kind} M={n}"] = lambda n=n, kind=kind: fused_linear_case(s, dtype, device, kind, n)
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
+        cases[f"argmax N={n}"] = lambda n=n: argmax_case(s, device, n)
+        cases[f"argmax (torch) N={n}"] = lambda n=n: argmax_case(s, device, n, torch_op=True)
+        if n > 1:  # past the Triton GEMM's rows (batch 1's SiLU is in its epilogue)
+            cases[f"silu columns T={n}"] = lambda n=n: silu_columns_case(s, dtype, device, n)
+            cases[f"silu columns (torch) T={n}"] = lambda n=n: silu_columns_case(s, dtype, device, n, torch_op=True)
         cases[f"sample temperature-only N={n}"] = lambda n=n: sample_case(s, device, n, filtered=False)
     for m in (1, 4, 16) if not small else (1, 3):  # decode rows on the Triton GEMM (ops.linear.GEMV_MAX_ROWS)
         for kind in ("down", "gated-norm o"):  # the next RMSNorm in the GEMM's epilogue, or its own launch

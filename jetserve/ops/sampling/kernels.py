@@ -354,7 +354,7 @@ def sample(
     return torch.where(temperature <= 0, argmax(logits), winner)
 
 
-ARGMAX_NONE = 2**31 - 1  # "no index": above every token index
+ARGMAX_NONE = tl.constexpr(2**31 - 1)  # "no index": above every token index (a constexpr: kernels read it)
 
 
 @triton.jit

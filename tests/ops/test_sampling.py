@@ -349,9 +349,15 @@ def test_sample_on_gpu_matches_cpu_without_host_sync(kernels, num_rows: int) -> 
 
 @pytest.mark.parametrize("num_rows, vocab", [(1, 1), (1, 5000), (3, 1025), (40, 8), (2, 3001)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_argmax_matches_torch(kernels, num_rows: int, vocab: int, dtype: torch.dtype) -> None:
+def test_triton_argmax_matches_torch(
+    kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int, dtype: torch.dtype
+) -> None:
     """The split argmax against torch's: random rows, rows of ties (the first wins), a row of -inf, a maximum in the
-    last token, and NaNs (the first NaN wins, as in torch), through a strided view too."""
+    last token, and NaNs (the first NaN wins, as in torch), through a strided view too. Blocks of 128 logits and 2
+    programs an SM: rows split in several slices of several blocks each."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(kernels, "ARGMAX_BLOCK_V", 128)
+        monkeypatch.setattr(kernels, "ARGMAX_PROGRAMS_PER_SM", 2)
     logits = random_logits(num_rows, vocab, seed=vocab + num_rows).to(dtype)
     cases = [logits]
     if num_rows >= 3:

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.ops.backend import sm_count
 from jetserve.ops.layout import dense
 from jetserve.ops.sampling.reference import check_sample_inputs
 
@@ -354,6 +355,9 @@ def sample(
     return torch.where(temperature <= 0, argmax(logits), winner)
 
 
+ARGMAX_BLOCK_V = 4096  # logits a program of the argmax loads at once
+ARGMAX_WARPS = 8
+ARGMAX_PROGRAMS_PER_SM = 8  # the argmax splits rows until about this many programs an SM exist
 ARGMAX_NONE = tl.constexpr(2**31 - 1)  # "no index": above every token index (a constexpr: kernels read it)
 
 
@@ -400,6 +404,16 @@ def _argmax_merge_kernel(part_value, part_index, part_nan, out, num_splits, BLOC
     tl.store(out + i_n, tl.where(b_nan < ARGMAX_NONE, b_nan, b_first).to(tl.int64))
 
 
+def _argmax_splits(num_rows: int, vocab_size: int, device: torch.device) -> tuple[int, int]:
+    """(number of splits, tokens per split) of the argmax: N × splits ≈ ARGMAX_PROGRAMS_PER_SM programs an SM (the
+    loads in flight that a read at the copy bandwidth needs), every split at least one block."""
+    num_blocks = triton.cdiv(vocab_size, ARGMAX_BLOCK_V)
+    wanted = ARGMAX_PROGRAMS_PER_SM * sm_count(device)
+    num_splits = max(1, min(num_blocks, triton.cdiv(wanted, max(num_rows, 1))))
+    split_v = triton.cdiv(num_blocks, num_splits) * ARGMAX_BLOCK_V
+    return triton.cdiv(vocab_size, split_v), split_v
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` for logits [..., V] (fp32/fp16/bf16, rows may be strided) → [...] int64: the first
     maximum; a NaN counts above every number, as in torch. The row is split so N × splits programs fill the GPU
@@ -414,13 +428,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out.view(lead)
-    num_splits, split_v = _splits(num_rows, vocab_size, logits.device)
+    num_splits, split_v = _argmax_splits(num_rows, vocab_size, logits.device)
     part_value = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # [N, splits]
     part_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)  # [N, splits]
     part_nan = torch.empty_like(part_index)  # [N, splits]
     _argmax_split_kernel[(num_rows, num_splits)](
-        rows, part_value, part_index, part_nan, vocab_size, rows.stride(0), SPLIT_V=split_v, BLOCK_V=BLOCK_V
-    )
+        rows, part_value, part_index, part_nan, vocab_size, rows.stride(0), SPLIT_V=split_v, BLOCK_V=ARGMAX_BLOCK_V,
+        num_warps=ARGMAX_WARPS,
+    )  # fmt: skip
     _argmax_merge_kernel[(num_rows,)](
         part_value, part_index, part_nan, out, num_splits, BLOCK_S=triton.next_power_of_2(num_splits)
     )

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from jetserve.ops.backend import sm_count
 from jetserve.ops.layout import dense
-from jetserve.ops.sampling.reference import check_sample_inputs
+from jetserve.ops.sampling.reference import check_argmax_input, check_sample_inputs
 
 BLOCK_V = 1024
 NUM_CANDIDATES = 1024  # the top-C probabilities that settle top-k/top-p for most rows without a full sort
@@ -421,8 +421,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` for logits [..., V] (fp32/fp16/bf16, rows may be strided) → [...] int64: the first
     maximum; a NaN counts above every number, as in torch. The row is split so N × splits programs fill the GPU
     (torch's reduction takes a small batch's row in one block), then one program per row merges the splits."""
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"argmax: logits must end in a non-empty vocabulary dimension, got {tuple(logits.shape)}")
+    check_argmax_input(logits)
     lead, vocab_size = logits.shape[:-1], logits.shape[-1]
     rows = logits.reshape(-1, vocab_size)
     if rows.stride(-1) != 1:

@@ -135,10 +135,14 @@ def sample(
     return torch.where(is_greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy token: logits [..., V] → [...] int64, the first maximum (a NaN counts above every number)."""
+def check_argmax_input(logits: torch.Tensor) -> None:
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"argmax: logits must end in a non-empty vocabulary dimension, got {tuple(logits.shape)}")
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token: logits [..., V] → [...] int64, the first maximum (a NaN counts above every number)."""
+    check_argmax_input(logits)
     return logits.argmax(dim=-1)
 
 

@@ -2,11 +2,15 @@
 kernels in the CPU tests, but some mistakes pass there and fail only in the compiler — a kernel reading a plain
 (non-constexpr) global (session 28's argmax: it ran in every interpreter test, then failed its first GPU call).
 
-The benchmarks' tour of every op (`bench/common.all_cases` at the tiny test model's shapes, the one
-`bench/memcheck_kernels.py` takes) runs on the Triton backend in the interpreter with each launch recorded: kernel,
-argument types, constexpr values, warps and stages. A subprocess without the interpreter then compiles each distinct
-launch down to a cubin for sm_90 with Triton's own compiler (its wheel carries ptxas), fp16 tensors compiled as bf16
-(the GPU's dtype) and every kernel with a `PDL` switch compiled with it on (as launched on a Hopper GPU).
+The benchmarks' tour of every op (`bench/common.all_cases`, the one `bench/memcheck_kernels.py` takes) runs on the
+Triton backend with each launch recorded — kernel, argument types, constexpr values, warps and stages: at the tiny
+test model's shapes in the interpreter, then at the 2B shapes with an H200's 132 SMs recorded without running (the
+tiles a GPU launches: shared memory grows with them); each in fp16 (compiled as bf16, the GPU's dtype) and fp32 (the
+dtype of the GPU's exactness tests). A subprocess without the interpreter then compiles each distinct launch down to
+a cubin for sm_90 with Triton's own compiler (its wheel carries ptxas), every kernel with a `PDL` switch with it on
+(as launched on a Hopper GPU), and checks that its shared memory fits a block: the fp32 gated-norm GEMM once asked
+for 307 KB and did not launch (session 15) — with `fit_pipeline`'s budget raised back past the limit, this test fails
+on that launch (314368 bytes).
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg"
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*bf16", torch.bfloat16: "*bf16", torch.float64: "*fp64",
                  torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
                  torch.bool: "*i1"}  # fmt: skip
+H200_SMS = 132
 SKIPPED_CASES = ("gated_delta_rule prefill",)  # fla-core's chunk kernels (autotuned, not ours), and no kernel of ours
 
 COMPILE = r"""
 import json, sys
 from concurrent.futures import ProcessPoolExecutor
+
+SMEM_LIMIT = 232448  # sm_90: 227 KiB of shared memory a block may opt in to
 
 def compile_one(launch):
     import importlib
@@ -44,10 +51,13 @@ def compile_one(launch):
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
     constexprs = {k: getattr(tl, v["tl"]) if isinstance(v, dict) else v for k, v in launch["constexprs"].items()}
     src = ASTSource(fn=fn, signature=launch["signature"], constexprs=constexprs)
+    where = f"{launch['name']} {launch['signature']} {launch['constexprs']} {launch['options']}"
     try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as e:  # noqa: BLE001 - reported, one line per launch
-        return f"{launch['name']} {launch['signature']} {launch['constexprs']}: {type(e).__name__}: {e}"[:3000]
+        return f"{where}: {type(e).__name__}: {e}"[:3000]
+    if compiled.metadata.shared > SMEM_LIMIT:  # the launch would fail: more shared memory than a block may have
+        return f"{where}: needs {compiled.metadata.shared} bytes of shared memory, sm_90 has {SMEM_LIMIT}"
     return None
 
 launches = json.load(open(sys.argv[1]))
@@ -111,6 +121,18 @@ def _record(fn, args, kwargs) -> dict | None:
             "options": options}  # fmt: skip
 
 
+def _tour(cases: dict) -> list[str]:
+    """Run every case of `bench/common.all_cases` but fla's; their names."""
+    names = []
+    for name, build in cases.items():
+        if any(skip in name for skip in SKIPPED_CASES):
+            continue
+        fn, _, _ = build()
+        fn()
+        names.append(name)
+    return names
+
+
 def _split_k_launches() -> None:
     """The skinny GEMM's split-K sum, with the bias, the SiLU columns and the add-norm epilogue (tilings forced)."""
     from jetserve.ops.linear import kernels
@@ -145,28 +167,35 @@ def test_every_launched_kernel_compiles_for_sm90(tmp_path, monkeypatch) -> None:
         sys.path.remove(str(ROOT / "bench"))
     launches: dict[str, dict] = {}
     original_run = interpreter.InterpretedFunction.run
+    record_only = False
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         launch = _record(self, args, kwargs)
         if launch is not None:
             launches.setdefault(json.dumps(launch, sort_keys=True), launch)
+            if record_only:
+                return None
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
     backend.set_backend("triton")
+    names = []
     try:
-        names = []
-        for name, build in all_cases(SHAPES["smoke"], torch.float16, "cpu", small=True).items():
-            if any(skip in name for skip in SKIPPED_CASES):
-                continue
-            fn, _, _ = build()
-            fn()
-            names.append(name)
+        for dtype in (torch.float16, torch.float32):  # fp16 compiled as bf16; fp32 as the fp32 tests run it
+            names += _tour(all_cases(SHAPES["smoke"], dtype, "cpu", small=True))
         _split_k_launches()  # the tour's tiny GEMMs never split K
+        # The 2B shapes with an H200's 132 SMs: the tiles a GPU launches (shared memory grows with them), recorded
+        # without running them in the interpreter.
+        record_only = True
+        for module in list(sys.modules.values()):
+            if module and module.__name__.startswith("jetserve.ops") and getattr(module, "sm_count", None):
+                monkeypatch.setattr(module, "sm_count", lambda device: H200_SMS)
+        for dtype in (torch.float16, torch.float32):
+            names += _tour(all_cases(SHAPES["2b"], dtype, "cpu", small=True))
     finally:
         backend.set_backend(None)
     kernels = {launch["name"] for launch in launches.values()}
-    assert len(names) > 50 and len(kernels) > 20 and "_split_sum_kernel" in kernels, (len(names), sorted(kernels))
+    assert len(names) > 200 and len(kernels) > 20 and "_split_sum_kernel" in kernels, (len(names), sorted(kernels))
     spec = tmp_path / "launches.json"
     spec.write_text(json.dumps(list(launches.values())))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -104,8 +104,9 @@ def _record(fn, args, kwargs) -> dict | None:
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
     options.pop("launch_pdl", None)
-    params = inspect.signature(fn.fn).parameters
-    bound = inspect.signature(fn.fn).bind(*args, **kwargs)
+    fn_signature = inspect.signature(fn.fn)
+    params = fn_signature.parameters
+    bound = fn_signature.bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs = {}, {}
     for name, value in bound.arguments.items():

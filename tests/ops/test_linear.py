@@ -176,7 +176,7 @@ def test_silu_columns_matches_torch_silu_in_place(kernels, dtype, num_rows, n, c
         kernels.silu_columns_(y, n + 1)
 
 
-def test_dispatched_silu_cols_past_the_triton_rows(kernels) -> None:
+def test_dispatched_silu_cols_past_the_triton_rows(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the Triton GEMM's rows the public op runs the reference GEMM, then the SiLU launch: the reference's
     result, with the launch taken on the Triton backend and not on the reference backend."""
     num_rows = GEMV_MAX_ROWS + 3
@@ -190,7 +190,7 @@ def test_dispatched_silu_cols_past_the_triton_rows(kernels) -> None:
         calls.append(cols)
         return original(y, cols)
 
-    kernels.silu_columns_ = counted
+    monkeypatch.setattr(kernels, "silu_columns_", counted)
     try:
         backend.set_backend("triton")
         torch.testing.assert_close(dispatched_linear(x, weight, silu_cols=130), want, rtol=1e-6, atol=1e-6)
@@ -199,7 +199,6 @@ def test_dispatched_silu_cols_past_the_triton_rows(kernels) -> None:
         assert torch.equal(dispatched_linear(x, weight, silu_cols=130), want)
         assert calls == [130]
     finally:
-        kernels.silu_columns_ = original
         backend.set_backend(None)
 
 

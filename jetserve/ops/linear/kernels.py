@@ -391,8 +391,8 @@ def gated_norm_linear(
     head = norm_weight.shape[0]
     num_rows, k = o.shape
     if tiling is None:
-        t = widened_tiling(choose_tiling(num_rows, weight.shape[0], k, sm_count(o.device)), head, weight.shape[0], k,
-                           sm_count(o.device))  # fmt: skip
+        n, num_sms = weight.shape[0], sm_count(o.device)
+        t = widened_tiling(choose_tiling(num_rows, n, k, num_sms), head, n, k, num_sms)
     else:
         t = tiling if tiling.block_k % head == 0 else dataclasses.replace(tiling, block_k=max(tiling.block_k, head))
     norm = (gate if gate.stride(-1) == 1 else gate.contiguous(), norm_weight.contiguous(), float(eps), head)

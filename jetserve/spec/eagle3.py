@@ -22,6 +22,7 @@ from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.model.layers import MLP, Linear, RMSNorm
 from jetserve.model.loader import DTYPES
 from jetserve.ops.attention import attention_decode, attention_prefill, attention_verify, rope_cos_sin
+from jetserve.ops.sampling import top_logprob
 
 # Where a checkpoint's config lists the target layers it was trained on (SpecForge and SGLang read both places).
 AUX_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -280,9 +281,9 @@ class Eagle3DraftModel(nn.Module):
 
     def top_candidate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The most likely next token: (log-prob [T] fp32, target-vocabulary id [T] int64); ties go to the lower
-        draft id. One reduction where `top_candidates(hidden, 1)` sorts."""
-        logprob, draft_id = torch.log_softmax(self.compute_logits(hidden), dim=-1).max(dim=-1)
-        return logprob, self.draft_to_target(draft_id)
+        draft id. One split reduction over the draft logits as the lm_head writes them (`top_logprob`, the
+        d2t shift included), where `top_candidates(hidden, 1)` sorts."""
+        return top_logprob(self.lm_head(self.norm(hidden)), self.d2t)
 
     def top_candidates(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely next tokens: (log-probs [T, k] fp32, target-vocabulary ids [T, k] int64)."""

@@ -380,6 +380,76 @@ def test_triton_argmax_matches_torch(
     assert torch.equal(kernels.argmax(wide), wide.argmax(dim=-1))  # leading dims kept
 
 
+@pytest.mark.parametrize("num_rows, vocab", [(1, 1), (1, 5000), (4, 1025), (40, 8), (5, 3001)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_top_logprob_matches_torch(
+    kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int, dtype: torch.dtype
+) -> None:
+    """The split top-1 log-prob against `log_softmax(...).max(...)`: random rows, ties (the first wins), -inf
+    entries, a row of -inf, NaN and +inf rows ((NaN, 0) as torch gives), with the draft's `d2t` offsets, through a
+    strided view. Blocks of 128 logits and 2 programs an SM: rows split in several slices of several blocks each."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(kernels, "ARGMAX_BLOCK_V", 128)
+        monkeypatch.setattr(kernels, "ARGMAX_PROGRAMS_PER_SM", 2)
+    logits = random_logits(num_rows, vocab, seed=vocab + 3 * num_rows).to(dtype)
+    cases = [logits]
+    if num_rows >= 4:
+        odd = logits.clone()
+        odd[0] = 1.0  # one tie group over the row: token 0, log-prob -log(V)
+        odd[1, vocab // 3 :] = 50.0  # the first of a run of maxima that starts mid-row (another split)
+        odd[1, : vocab // 5] = float("-inf")
+        odd[2] = float("-inf")  # no finite value: (NaN, 0)
+        odd[3, vocab - 1] = float("nan")
+        cases.append(odd)
+        infs = logits.clone()
+        infs[0, vocab // 2] = float("inf")
+        infs[1, -1] = 100.0
+        infs[2, 0] = float("-inf")
+        cases.append(infs)
+    offsets = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(vocab))
+    for case in cases:
+        case = case.to(DEVICE)
+        for off in (None, offsets.to(DEVICE)):
+            logprob, index = kernels.top_logprob(case, off)
+            expected_logprob, expected_index = ref.top_logprob(case, off)
+            assert torch.equal(index, expected_index)
+            torch.testing.assert_close(logprob, expected_logprob, rtol=1e-5, atol=1e-5, equal_nan=True)
+    wide = torch.stack([logits, -logits], dim=1).to(DEVICE)  # [N, 2, V]: rows of [N, V] views strided by 2V
+    logprob, index = kernels.top_logprob(wide[:, 1])
+    expected_logprob, expected_index = ref.top_logprob((-logits).to(DEVICE))
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(logprob, expected_logprob, rtol=1e-5, atol=1e-5)
+
+
+def test_top_logprob_rejects_bad_shapes(kernels) -> None:
+    for module in (kernels, ref):
+        with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+            module.top_logprob(torch.zeros(2, 3, 4, device=DEVICE))
+        with pytest.raises(ValueError, match="offsets must be"):
+            module.top_logprob(torch.zeros(2, 3, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows", [1, 7, 64])
+def test_top_logprob_on_gpu_at_the_draft_vocabulary(kernels, num_rows: int) -> None:
+    """A 32,000-token draft vocabulary in bf16 (the draft lm_head's output) and fp32, with d2t offsets, no host
+    synchronisation."""
+    logits = random_logits(num_rows, 32000, seed=num_rows, scale=4.0).cuda()
+    logits[0, 31999] = 1e4  # the maximum in the last token (the last split's last block)
+    offsets = torch.randint(0, 100000, (32000,), device="cuda")
+    for case in (logits, logits.bfloat16()):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logprob, index = kernels.top_logprob(case, offsets)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        expected_logprob, expected_index = ref.top_logprob(case, offsets)
+        assert torch.equal(index, expected_index)
+        torch.testing.assert_close(logprob, expected_logprob, rtol=1e-5, atol=1e-5)
+
+
 def test_argmax_rejects_an_empty_vocabulary(kernels) -> None:
     for module in (kernels, ref):
         with pytest.raises(ValueError, match="non-empty vocabulary"):

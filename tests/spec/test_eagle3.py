@@ -261,6 +261,9 @@ def test_prefill_matches_dense_and_decode_matches_prefill(draft, features):
     assert bool(draft.t2d[candidates].all())
     draft_argmax = draft.compute_logits(whole).argmax(dim=-1)
     assert torch.equal(candidates[:, 0], draft_argmax + draft.d2t[draft_argmax])
+    top_logprob, top_id = draft.top_candidate(whole)  # the chain's one reduction: the sort's first column
+    assert torch.equal(top_id, candidates[:, 0])
+    torch.testing.assert_close(top_logprob, logprobs[:, 0])
 
 
 def test_tree_verify_matches_each_branch_alone(draft, features):

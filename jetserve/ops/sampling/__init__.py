@@ -7,7 +7,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.sampling import kernels, reference
-from jetserve.ops.sampling.greedy import argmax
+from jetserve.ops.sampling.greedy import argmax, top_logprob
 from jetserve.ops.sampling.reference import compute_logprobs, top_logprobs
 from jetserve.ops.sampling.tree_acceptance import (
     chain_accept_greedy,
@@ -42,6 +42,7 @@ __all__ = [
     "chain_accept_greedy",
     "compute_logprobs",
     "sample",
+    "top_logprob",
     "top_logprobs",
     "tree_accept",
     "tree_accept_greedy",

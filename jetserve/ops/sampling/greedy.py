@@ -1,4 +1,5 @@
-"""The greedy token of each row (`argmax`), on the backend the logits' device picks."""
+"""The greedy token of each row (`argmax`), and with its log-prob (`top_logprob`), on the backend the logits'
+device picks."""
 
 from __future__ import annotations
 
@@ -14,3 +15,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if use_triton(logits):
         return kernels.argmax(logits)
     return reference.argmax(logits)
+
+
+def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] → (log-prob [N] fp32, index [N] int64): `log_softmax(logits).max(dim=-1)`, the index shifted by
+    offsets[index] when offsets [V] is given (a draft's `d2t`). See `reference.top_logprob`; the Triton variant
+    splits each row across the GPU as `argmax` does."""
+    if use_triton(logits):
+        return kernels.top_logprob(logits, offsets)
+    return reference.top_logprob(logits, offsets)

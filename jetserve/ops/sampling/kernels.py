@@ -13,7 +13,7 @@ import triton.language as tl
 
 from jetserve.ops.backend import sm_count
 from jetserve.ops.layout import dense
-from jetserve.ops.sampling.reference import check_argmax_input, check_sample_inputs
+from jetserve.ops.sampling.reference import check_argmax_input, check_sample_inputs, check_top_logprob_inputs
 
 BLOCK_V = 1024
 NUM_CANDIDATES = 1024  # the top-C probabilities that settle top-k/top-p for most rows without a full sort
@@ -442,3 +442,92 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         part_value, part_index, part_nan, out, num_splits, BLOCK_S=triton.next_power_of_2(num_splits)
     )
     return out.view(lead)
+
+
+@triton.jit
+def _top_logprob_split_kernel(
+    logits, part_max, part_sum, part_index, part_bad, V, stride_l, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Program (row n, split s): over its slice, the largest value and its first index, the sum of exp(x − that
+    largest value), and whether the slice holds a NaN or +inf. Each lane keeps a running maximum and rescales its sum
+    when the maximum grows (a lane that has seen only -inf keeps a sum of 0)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    b_max = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    b_sum = tl.zeros((BLOCK_V,), tl.float32)
+    b_arg = tl.full((BLOCK_V,), ARGMAX_NONE, tl.int32)
+    b_bad = tl.zeros((BLOCK_V,), tl.int32)
+    for i_v in range(i_s * SPLIT_V, (i_s + 1) * SPLIT_V, BLOCK_V):
+        o_v = i_v + tl.arange(0, BLOCK_V)
+        m_v = o_v < V
+        b_x = tl.load(logits + i_n * stride_l + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
+        b_bad = tl.where((b_x != b_x) | (b_x == float("inf")), 1, b_bad)
+        # a later block replaces only a strictly larger value: the lane keeps its earliest index on ties
+        is_better = m_v & ((b_x > b_max) | (b_arg == ARGMAX_NONE))
+        b_arg = tl.where(is_better, o_v, b_arg)
+        b_new = tl.where(b_x > b_max, b_x, b_max)
+        is_finite = b_new > float("-inf")
+        b_sum = tl.where(is_finite, b_sum * tl.exp(b_max - b_new) + tl.exp(b_x - b_new), 0.0)
+        b_max = b_new
+    m_max = tl.max(b_max, axis=0)
+    b_scaled = tl.where(b_max > float("-inf"), b_sum * tl.exp(b_max - m_max), 0.0)
+    o_p = i_n * num_splits + i_s
+    tl.store(part_max + o_p, m_max)
+    tl.store(part_sum + o_p, tl.sum(b_scaled, axis=0))
+    tl.store(part_index + o_p, tl.min(tl.where(b_max == m_max, b_arg, ARGMAX_NONE), axis=0))
+    tl.store(part_bad + o_p, tl.max(b_bad, axis=0))
+
+
+@triton.jit
+def _top_logprob_merge_kernel(
+    part_max, part_sum, part_index, part_bad, offsets, out_logprob, out_index, num_splits,
+    HAS_OFFSETS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Row n: −log(Σ_s sum_s · exp(max_s − max)) and the first index of the maximum over the splits (in index order,
+    so ties keep the lowest); (NaN, 0) for a row with a NaN or +inf or no finite value; the index shifted by
+    offsets[index] when given."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < num_splits
+    b_max = tl.load(part_max + i_n * num_splits + o_s, mask=m_s, other=float("-inf"))
+    b_sum = tl.load(part_sum + i_n * num_splits + o_s, mask=m_s, other=0.0)
+    b_index = tl.load(part_index + i_n * num_splits + o_s, mask=m_s, other=ARGMAX_NONE)
+    is_bad = tl.max(tl.load(part_bad + i_n * num_splits + o_s, mask=m_s, other=0), axis=0) > 0
+    m_max = tl.max(b_max, axis=0)
+    is_bad = is_bad | (m_max == float("-inf"))
+    total = tl.sum(tl.where(b_max > float("-inf"), b_sum * tl.exp(b_max - m_max), 0.0), axis=0)
+    index = tl.where(is_bad, 0, tl.min(tl.where(b_max == m_max, b_index, ARGMAX_NONE), axis=0)).to(tl.int64)
+    if HAS_OFFSETS:
+        index += tl.load(offsets + index).to(tl.int64)
+    tl.store(out_logprob + i_n, tl.where(is_bad, float("nan"), -tl.log(tl.where(is_bad, 1.0, total))))
+    tl.store(out_index + i_n, index)
+
+
+def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.top_logprob` (the first maximum of each row of logits [N, V] and its log-prob, the index shifted by
+    offsets[index] when given) in two launches: the argmax's split of each row, each slice's maximum, first index and
+    sum of exponentials, then one program per row merging them — where `log_softmax` then `max` read the row in one
+    block each (an EAGLE-3 draft's top-1 at every level)."""
+    check_top_logprob_inputs(logits, offsets)
+    num_rows, vocab_size = logits.shape
+    rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+    device = logits.device
+    out_logprob = torch.empty(num_rows, dtype=torch.float32, device=device)  # [N]
+    out_index = torch.empty(num_rows, dtype=torch.int64, device=device)  # [N]
+    if num_rows == 0:
+        return out_logprob, out_index
+    num_splits, split_v = _argmax_splits(num_rows, vocab_size, device)
+    part_max = torch.empty(num_rows, num_splits, dtype=torch.float32, device=device)  # [N, splits]
+    part_sum = torch.empty_like(part_max)  # [N, splits]
+    part_index = torch.empty(num_rows, num_splits, dtype=torch.int32, device=device)  # [N, splits]
+    part_bad = torch.empty_like(part_index)  # [N, splits]
+    _top_logprob_split_kernel[(num_rows, num_splits)](
+        rows, part_max, part_sum, part_index, part_bad, vocab_size, rows.stride(0), SPLIT_V=split_v,
+        BLOCK_V=ARGMAX_BLOCK_V, num_warps=ARGMAX_WARPS,
+    )  # fmt: skip
+    _top_logprob_merge_kernel[(num_rows,)](
+        part_max, part_sum, part_index, part_bad, offsets if offsets is not None else out_index, out_logprob,
+        out_index, num_splits, HAS_OFFSETS=offsets is not None, BLOCK_S=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out_logprob, out_index

@@ -146,6 +146,23 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def check_top_logprob_inputs(logits: torch.Tensor, offsets: torch.Tensor | None) -> None:
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"top_logprob: logits must be [N, V] with V > 0, got {tuple(logits.shape)}")
+    if offsets is not None and (offsets.dim() != 1 or offsets.shape[0] != logits.shape[1]):
+        raise ValueError(f"top_logprob: offsets must be [V={logits.shape[1]}], got {tuple(offsets.shape)}")
+
+
+def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely token of each row and its log-prob: logits [N, V] → (log-prob [N] fp32, index [N] int64),
+    exactly `log_softmax(logits.float()).max(dim=-1)`: the first maximum, and a row holding a NaN or +inf, or no
+    finite value, gives (NaN, 0) — its log-softmax is NaN throughout. With `offsets` [V] (an EAGLE-3 draft's `d2t`),
+    the index returned is `index + offsets[index]`."""
+    check_top_logprob_inputs(logits, offsets)
+    logprob, index = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)  # [N] each
+    return logprob, index if offsets is None else index + offsets[index]
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[i, token_ids[i]]: logits [N, V], token_ids [N] → [N] fp32."""
     if logits.dim() != 2 or token_ids.shape != (logits.shape[0],):

@@ -44,7 +44,7 @@ from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
 from jetserve.ops.kv_metadata import kv_metadata  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
-from jetserve.ops.sampling import argmax, sample  # noqa: E402
+from jetserve.ops.sampling import argmax, sample, top_logprob  # noqa: E402
 
 Case = tuple[Callable[[], object], int, int]
 
@@ -462,6 +462,24 @@ def argmax_case(s: Shapes, device: str, n: int, torch_op: bool = False) -> Case:
     return op, _nbytes(logits) + n * 8, 0
 
 
+DRAFT_VOCAB = 32000  # a random EAGLE-3 draft's vocabulary (`random_draft_config`'s default: at most this)
+
+
+def top_logprob_case(s: Shapes, dtype: torch.dtype, device: str, n: int, torch_op: bool = False) -> Case:
+    """A draft's top-1 of n rows of its lm_head's logits (dtype) with the d2t shift (each chain level):
+    `ops.sampling.top_logprob`, or torch's `log_softmax(logits.float()).max` and the shift (`torch_op`)."""
+    vocab = min(s.vocab, DRAFT_VOCAB)
+    logits = _randn(n, vocab, dtype=dtype, device=device, scale=4.0)
+    d2t = torch.randint(0, s.vocab - vocab + 1, (vocab,), device=device)
+
+    def torch_top() -> tuple[torch.Tensor, torch.Tensor]:
+        logprob, index = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
+        return logprob, index + d2t[index]
+
+    op = torch_top if torch_op else (lambda: top_logprob(logits, d2t))
+    return op, _nbytes(logits) + n * 12, 0
+
+
 def silu_columns_case(s: Shapes, dtype: torch.dtype, device: str, n: int, torch_op: bool = False) -> Case:
     """The SiLU of the JetBlock's q, k and generator columns of n rows of its fused projection output, in place (past
     the Triton GEMM's rows): `linear.kernels.silu_columns_`, or torch's in-place SiLU on the slice (`torch_op`)."""
@@ -521,6 +539,8 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
         cases[f"sample N={n}"] = lambda n=n: sample_case(s, device, n)
         cases[f"argmax N={n}"] = lambda n=n: argmax_case(s, device, n)
         cases[f"argmax (torch) N={n}"] = lambda n=n: argmax_case(s, device, n, torch_op=True)
+        cases[f"top_logprob draft N={n}"] = lambda n=n: top_logprob_case(s, dtype, device, n)
+        cases[f"top_logprob draft (torch) N={n}"] = lambda n=n: top_logprob_case(s, dtype, device, n, torch_op=True)
         if n > 1:  # past the Triton GEMM's rows (batch 1's SiLU is in its epilogue)
             cases[f"silu columns T={n}"] = lambda n=n: silu_columns_case(s, dtype, device, n)
             cases[f"silu columns (torch) T={n}"] = lambda n=n: silu_columns_case(s, dtype, device, n, torch_op=True)

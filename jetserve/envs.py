@@ -52,3 +52,13 @@ def fused_mixer() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_FUSED_MIXER: {value!r} is not 0 or 1")
     return value == "1"
+
+
+def split_norm() -> bool:
+    """Past the Triton GEMM's rows, a narrow projection followed by the next RMSNorm (o_proj, down at decode batches)
+    runs as a batched GEMM of K-split partials and one Triton launch that sums them, adds the residual and normalises
+    (`ops.linear.kernels.batched_split_linear`): on by default; JETSERVE_SPLIT_NORM=0 runs cuBLAS then the norm op."""
+    value = os.environ.get("JETSERVE_SPLIT_NORM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JETSERVE_SPLIT_NORM: {value!r} is not 0 or 1")
+    return value == "1"

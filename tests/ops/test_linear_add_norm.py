@@ -14,6 +14,7 @@ from jetserve.ops import backend
 from jetserve.ops.linear import gated_norm_linear as dispatched_gated_norm_linear
 from jetserve.ops.linear import linear as dispatched_linear
 from jetserve.ops.linear import reference as ref
+from jetserve.ops.linear import swiglu_linear as dispatched_swiglu_linear
 from jetserve.ops.norm import reference as norm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,6 +169,33 @@ def test_add_norm_2b_shapes_bf16_and_in_a_graph(kernels, mode, num_rows) -> None
         assert_pair(captured, reference(add))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [17, 64, 256])
+@pytest.mark.parametrize("mode", ["down", "o_proj"])
+def test_batched_split_2b_shapes_bf16_and_in_a_graph(mode, num_rows) -> None:
+    """Past the Triton GEMM's rows, the public ops at the 2B's producers in bf16 take the batched split (the rule's
+    count, cuBLAS's fp32-out batched GEMM), eagerly and replayed from a CUDA graph with new residuals."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    from jetserve.ops.linear import kernels
+
+    dtype, n, k = torch.bfloat16, 1536, 8960 if mode == "down" else 3072
+    assert kernels.batched_splits(num_rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    weight = randn(n, k, dtype=dtype, seed=70, scale=k**-0.5)
+    x = randn(num_rows, 2 * k if mode == "down" else k, dtype=dtype, seed=71)
+    op, reference = (dispatched_swiglu_linear, ref.swiglu_linear) if mode == "down" else (dispatched_linear, ref.linear)
+    residual, norm_weight, _ = add_norm_args(num_rows, n, dtype, seed=72)
+    add = (residual, norm_weight, EPS)
+    assert_pair(op(x, weight, add_norm=add), reference(x, weight, add_norm=add))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(x, weight, add_norm=add)
+    for seed in (73, 74):
+        residual.copy_(randn(num_rows, n, dtype=dtype, seed=seed, scale=2.0))
+        graph.replay()
+        assert_pair(captured, reference(x, weight, add_norm=add))
+
+
 @pytest.mark.parametrize("shape", [(0, 8), (2, 0), (70, 8), (2, 3, 8)])
 def test_add_norm_edges(kernels, shape) -> None:
     """No rows, no input features (no kernel: the composition), more rows than one launch holds (two launches share
@@ -188,3 +216,78 @@ def test_epilogue_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", "yes")
     with pytest.raises(ValueError, match="JETSERVE_ADD_NORM_EPILOGUE"):
         envs.add_norm_epilogue()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_rows, n, k, splits", [(17, 37, 60, 3), (40, 29, 64, 4), (5, 8, 48, 1), (70, 19, 30, 5)])
+def test_batched_split_linear_matches_linear_then_rms_norm(kernels, dtype, num_rows, n, k, splits) -> None:
+    """Past the Triton GEMM's rows: the K split's partials as one batched GEMM, then the split sum with the bias, the
+    residual add and the norm, against the reference composition, at awkward sizes; x a strided column slice."""
+    x = randn(num_rows, k + 5, dtype=dtype, seed=50)[:, 2 : k + 2]
+    weight = randn(n, k, dtype=dtype, seed=51, scale=k**-0.5)
+    bias = randn(n, dtype=dtype, seed=52)
+    add = add_norm_args(num_rows, n, dtype, seed=53)
+    assert_pair(kernels.batched_split_linear(x, weight, bias, add, splits), ref.linear(x, weight, bias, add_norm=add))
+    assert_pair(kernels.batched_split_linear(x, weight, None, add, splits), ref.linear(x, weight, add_norm=add))
+    with pytest.raises(ValueError, match="must divide K"):
+        kernels.batched_split_linear(x, weight, bias, add, k + 1)
+
+
+def test_batched_splits_rule() -> None:
+    """Splits fill the SMs with cuBLAS-sized output tiles, divide K in runs of at least BATCHED_MIN_CHUNK, and are
+    not taken when one would do or for a prefill's rows."""
+    from jetserve.ops.linear import kernels as module
+
+    assert module.batched_splits(64, 1536, 8960, 132) == 10  # 12 tiles: up to 11 splits, 10 divides K
+    assert module.batched_splits(256, 1536, 3072, 132) == 4  # 24 tiles: up to 5, 4 divides K
+    assert module.batched_splits(256, 1536, 8960, 132) == 5
+    assert module.batched_splits(64, 1536, 512, 132) == 2  # runs of at least 256
+    assert module.batched_splits(256, 8192, 8960, 132) == 0  # 128 tiles fill the GPU alone
+    assert module.batched_splits(4096, 1536, 8960, 132) == 0  # a prefill
+    assert module.batched_splits(64, 1536, 7 * 257, 132) == 7  # a prime-ish K: its divisors only
+
+
+@pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton backend runs here in the interpreter")
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_dispatch_takes_the_batched_split_past_the_triton_rows(
+    kernels, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    """On the Triton backend, rows past the Triton GEMM's with add_norm take `batched_split_linear` (JETSERVE_SPLIT_NORM
+    on, the default) with the rule's splits, or cuBLAS then the norm op (off); the pair is the reference's either
+    way, for the plain, SwiGLU and gated-norm producers."""
+    monkeypatch.setenv("JETSERVE_SPLIT_NORM", flag)
+    monkeypatch.setattr(kernels, "BATCHED_TILE", 16)  # the interpreter's 4 SMs and small shapes still split
+    monkeypatch.setattr(kernels, "BATCHED_MIN_CHUNK", 16)
+    calls = []
+    real = kernels.batched_split_linear
+    monkeypatch.setattr(kernels, "batched_split_linear", lambda *a: calls.append(a[-1]) or real(*a))
+    num_rows, n, k = 20, 16, 64
+    x = randn(num_rows, k, dtype=torch.float32, seed=60)
+    weight = randn(n, k, dtype=torch.float32, seed=61, scale=k**-0.5)
+    add = add_norm_args(num_rows, n, torch.float32, seed=62)
+    gate_up = randn(num_rows, 2 * k, dtype=torch.float32, seed=63)
+    o, gate = randn(num_rows, k, dtype=torch.float32, seed=64), randn(num_rows, k, dtype=torch.float32, seed=65)
+    head_w = randn(16, dtype=torch.float32, seed=66)
+    backend.set_backend("triton")
+    try:
+        assert_pair(dispatched_linear(x, weight, add_norm=add), ref.linear(x, weight, add_norm=add))
+        assert_pair(dispatched_swiglu_linear(gate_up, weight, add_norm=add),
+                    ref.swiglu_linear(gate_up, weight, add_norm=add))  # fmt: skip
+        assert_pair(dispatched_gated_norm_linear(o, gate, head_w, 1e-5, weight, add_norm=add),
+                    ref.gated_norm_linear(o, gate, head_w, 1e-5, weight, add_norm=add))  # fmt: skip
+        dispatched_linear(x, weight)  # no norm after it: cuBLAS alone
+    finally:
+        backend.set_backend(None)
+    assert calls == ([] if flag == "0" else [kernels.batched_splits(num_rows, n, k, 4)] * 3)
+    assert flag == "0" or calls[0] > 1
+
+
+def test_split_norm_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JETSERVE_SPLIT_NORM: on by default, 0 off, anything else refused."""
+    monkeypatch.delenv("JETSERVE_SPLIT_NORM", raising=False)
+    assert envs.split_norm()
+    monkeypatch.setenv("JETSERVE_SPLIT_NORM", "0")
+    assert not envs.split_norm()
+    monkeypatch.setenv("JETSERVE_SPLIT_NORM", "no")
+    with pytest.raises(ValueError, match="JETSERVE_SPLIT_NORM"):
+        envs.split_norm()

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from jetserve import envs
-from jetserve.ops.backend import use_triton
+from jetserve.ops.backend import sm_count, use_triton
 from jetserve.ops.linear import reference
 from jetserve.ops.linear.reference import AddNorm
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul
@@ -41,6 +41,10 @@ def linear(
 
         fused, after = _split_add_norm(add_norm)
         return _then(kernels.linear(x, weight, bias, silu_cols=silu_cols, add_norm=fused), after)
+    if add_norm is not None and not silu_cols and (splits := _batched_splits(x, weight)):
+        from jetserve.ops.linear import kernels
+
+        return kernels.batched_split_linear(x, weight, bias, add_norm, splits)
     if silu_cols and use_triton(x) and not _needs_grad(x, weight) and x.dtype in _TRITON_DTYPES:  # cuBLAS, then SiLU
         from jetserve.ops.linear import kernels
 
@@ -105,6 +109,19 @@ def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
     num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
     max_rows = WIDE_MAX_ROWS if weight.dim() == 2 and weight.shape[0] >= WIDE_MIN_N else GEMV_MAX_ROWS
     return use_triton(x) and not _needs_grad(x, weight) and 1 <= num_rows <= max_rows and x.dtype in _TRITON_DTYPES
+
+
+def _batched_splits(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """K splits of `kernels.batched_split_linear` for a product past the Triton GEMM's rows whose next RMSNorm it
+    takes (0: cuBLAS then the norm op): the Triton backend, JETSERVE_SPLIT_NORM on, a narrow weight (N < WIDE_MIN_N:
+    o_proj, down — a whole output row in one program), and `kernels.batched_splits`' count."""
+    if not envs.split_norm() or not use_triton(x) or _needs_grad(x, weight) or x.dtype not in _TRITON_DTYPES:
+        return 0
+    if weight.dim() != 2 or weight.shape[0] >= WIDE_MIN_N or x.dim() < 1 or x.shape[-1] == 0:
+        return 0
+    from jetserve.ops.linear import kernels
+
+    return kernels.batched_splits(x.numel() // x.shape[-1], *weight.shape, sm_count(x.device))
 
 
 def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:

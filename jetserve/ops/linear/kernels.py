@@ -273,6 +273,72 @@ def silu_columns_(y: torch.Tensor, cols: int) -> torch.Tensor:
     return y
 
 
+BATCHED_MAX_ROWS = 512  # decode batches: `batched_splits` splits up to this many rows (a prefill's GEMMs fill the GPU)
+BATCHED_TILE = 128  # the output tile edge cuBLAS takes at these shapes, for counting its tiles
+BATCHED_MIN_CHUNK = 256  # a split's run of K is at least this long
+
+
+def batched_splits(num_rows: int, n: int, k: int, num_sms: int) -> int:
+    """How many K splits `batched_split_linear` takes for [num_rows, k] x [n, k]ᵀ (0: none — leave it to cuBLAS):
+    enough that the output tiles times the splits give every SM a tile, each split's K at least BATCHED_MIN_CHUNK
+    and a divisor of K; none for more than BATCHED_MAX_ROWS rows or when one split would do."""
+    if not 0 < num_rows <= BATCHED_MAX_ROWS:
+        return 0
+    tiles = triton.cdiv(num_rows, BATCHED_TILE) * triton.cdiv(n, BATCHED_TILE)
+    wanted = min(num_sms // tiles, k // BATCHED_MIN_CHUNK)
+    splits = max((s for s in range(1, wanted + 1) if k % s == 0), default=1)
+    return splits if splits > 1 else 0
+
+
+def batched_split_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add_norm: AddNorm, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear(x, weight, bias, add_norm=add_norm)` for rows past the Triton GEMM's (the narrow projections that
+    cuBLAS runs, each followed by the next RMSNorm): K cut into `num_splits` equal runs, their fp32 partial products
+    [S, M, N] as one batched GEMM (`torch.bmm`, cuBLAS on a GPU, fp32 out for fp16/bf16), then `_split_sum_kernel`
+    sums them in a fixed order, adds the bias, rounds once, adds the residual and normalises each row in registers
+    — where cuBLAS's own split-K sum, the norm's launch and its reads of y were. num_splits must divide K. x [M, K]
+    (any leading dims, unit stride along K or copied), weight [N, K] → (normed, y + residual), as `linear`'s pair."""
+    check_linear(x, weight, bias)
+    lead, k = x.shape[:-1], weight.shape[1]
+    n = weight.shape[0]
+    check_add_norm(add_norm, (*lead, n), x.dtype)
+    if num_splits < 1 or k % num_splits:
+        raise ValueError(f"batched_split_linear: num_splits {num_splits} must divide K = {k}")
+    num_rows = math.prod(lead)
+    residual, out_w, out_eps = add_norm
+    if num_rows == 0 or n == 0 or k == 0:  # no kernel: the reference's composition
+        return norm_reference.rms_norm(_linear(x, weight, bias, None, gated=False), out_w, out_eps, residual)
+    x2 = x.reshape(num_rows, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    residual = residual.reshape(num_rows, n)
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    chunk = k // num_splits
+    xs = x2.as_strided((num_splits, num_rows, chunk), (chunk, x2.stride(0), 1))  # [S, M, K/S]
+    ws = weight.as_strided((num_splits, chunk, n), (chunk, 1, weight.stride(0)))  # [S, K/S, N]
+    partial = _batched_product(xs, ws)  # [S, M, N] fp32
+    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)  # [M, N]
+    h = torch.empty_like(y)  # [M, N]
+    _split_sum_kernel[(num_rows, 1)](
+        partial, bias if bias is not None else y, y, num_rows, n, num_splits, 0, residual, residual.stride(0), h,
+        out_w, float(out_eps), HAS_BIAS=bias is not None, HAS_SILU=False, ADD_NORM=True,
+        BLOCK_N=triton.next_power_of_2(n), **pdl_launch(x),
+    )  # fmt: skip
+    return y.view(*lead, n), h.view(*lead, n)
+
+
+def _batched_product(xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """xs [S, M, K'] @ ws [S, K', N] → [S, M, N] fp32: cuBLAS's fp32-out batched GEMM for fp16/bf16 on CUDA (fp32
+    accumulation, no rounding to the inputs' dtype), else the product of the widened operands."""
+    if xs.is_cuda and xs.dtype in (torch.float16, torch.bfloat16):
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())
+
+
 def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
     """Tiles for a [num_rows, k] x [n, k]ᵀ product (num_rows ≤ MAX_BLOCK_M) on a GPU of `num_sms` SMs.
 

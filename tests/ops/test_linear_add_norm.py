@@ -170,7 +170,7 @@ def test_add_norm_2b_shapes_bf16_and_in_a_graph(kernels, mode, num_rows) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [17, 64, 256])
+@pytest.mark.parametrize("num_rows", [128, 200, 256])
 @pytest.mark.parametrize("mode", ["down", "o_proj"])
 def test_batched_split_2b_shapes_bf16_and_in_a_graph(mode, num_rows) -> None:
     """Past the Triton GEMM's rows, the public ops at the 2B's producers in bf16 take the batched split (the rule's
@@ -180,7 +180,7 @@ def test_batched_split_2b_shapes_bf16_and_in_a_graph(mode, num_rows) -> None:
     from jetserve.ops.linear import kernels
 
     dtype, n, k = torch.bfloat16, 1536, 8960 if mode == "down" else 3072
-    assert kernels.batched_splits(num_rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    assert kernels.batched_splits(num_rows, k) > 1
     weight = randn(n, k, dtype=dtype, seed=70, scale=k**-0.5)
     x = randn(num_rows, 2 * k if mode == "down" else k, dtype=dtype, seed=71)
     op, reference = (dispatched_swiglu_linear, ref.swiglu_linear) if mode == "down" else (dispatched_linear, ref.linear)
@@ -234,17 +234,17 @@ def test_batched_split_linear_matches_linear_then_rms_norm(kernels, dtype, num_r
 
 
 def test_batched_splits_rule() -> None:
-    """Splits fill the SMs with cuBLAS-sized output tiles, divide K in runs of at least BATCHED_MIN_CHUNK, and are
-    not taken when one would do or for a prefill's rows."""
+    """At most BATCHED_MAX_SPLITS divisors of K in runs of at least BATCHED_MIN_CHUNK, for decode batches from
+    BATCHED_MIN_ROWS rows; none when one split would do or for a prefill's rows."""
     from jetserve.ops.linear import kernels as module
 
-    assert module.batched_splits(64, 1536, 8960, 132) == 10  # 12 tiles: up to 11 splits, 10 divides K
-    assert module.batched_splits(256, 1536, 3072, 132) == 4  # 24 tiles: up to 5, 4 divides K
-    assert module.batched_splits(256, 1536, 8960, 132) == 5
-    assert module.batched_splits(64, 1536, 512, 132) == 2  # runs of at least 256
-    assert module.batched_splits(256, 8192, 8960, 132) == 0  # 128 tiles fill the GPU alone
-    assert module.batched_splits(4096, 1536, 8960, 132) == 0  # a prefill
-    assert module.batched_splits(64, 1536, 7 * 257, 132) == 7  # a prime-ish K: its divisors only
+    assert module.batched_splits(256, 8960) == 4  # the 2B's down
+    assert module.batched_splits(128, 3072) == 2  # the 2B's o_proj
+    assert module.batched_splits(256, 1536) == 0  # the attention's o: one split
+    assert module.batched_splits(64, 8960) == 0  # few rows: cuBLAS
+    assert module.batched_splits(4096, 8960) == 0  # a prefill
+    assert module.batched_splits(512, 7 * 1537) == 0  # runs of 1537 would need 7 splits
+    assert module.batched_splits(512, 3 * 1600) == 3
 
 
 @pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton backend runs here in the interpreter")
@@ -256,7 +256,7 @@ def test_dispatch_takes_the_batched_split_past_the_triton_rows(
     on, the default) with the rule's splits, or cuBLAS then the norm op (off); the pair is the reference's either
     way, for the plain, SwiGLU and gated-norm producers."""
     monkeypatch.setenv("JETSERVE_SPLIT_NORM", flag)
-    monkeypatch.setattr(kernels, "BATCHED_TILE", 16)  # the interpreter's 4 SMs and small shapes still split
+    monkeypatch.setattr(kernels, "BATCHED_MIN_ROWS", 16)  # small shapes still split
     monkeypatch.setattr(kernels, "BATCHED_MIN_CHUNK", 16)
     calls = []
     real = kernels.batched_split_linear
@@ -278,7 +278,7 @@ def test_dispatch_takes_the_batched_split_past_the_triton_rows(
         dispatched_linear(x, weight)  # no norm after it: cuBLAS alone
     finally:
         backend.set_backend(None)
-    assert calls == ([] if flag == "0" else [kernels.batched_splits(num_rows, n, k, 4)] * 3)
+    assert calls == ([] if flag == "0" else [kernels.batched_splits(num_rows, k)] * 3)
     assert flag == "0" or calls[0] > 1
 
 

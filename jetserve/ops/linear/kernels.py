@@ -273,19 +273,24 @@ def silu_columns_(y: torch.Tensor, cols: int) -> torch.Tensor:
     return y
 
 
-BATCHED_MAX_ROWS = 512  # decode batches: `batched_splits` splits up to this many rows (a prefill's GEMMs fill the GPU)
-BATCHED_TILE = 128  # the output tile edge cuBLAS takes at these shapes, for counting its tiles
-BATCHED_MIN_CHUNK = 256  # a split's run of K is at least this long
+BATCHED_MIN_ROWS = 128  # rows from which `batched_splits` splits (fewer: cuBLAS's own choice was as fast or faster)
+BATCHED_MAX_ROWS = 512  # ... and up to which (decode batches; a prefill's GEMMs fill the GPU)
+BATCHED_MAX_SPLITS = 4  # at most this many splits ...
+BATCHED_MIN_CHUNK = 1536  # ... each a run of K at least this long
 
 
-def batched_splits(num_rows: int, n: int, k: int, num_sms: int) -> int:
-    """How many K splits `batched_split_linear` takes for [num_rows, k] x [n, k]ᵀ (0: none — leave it to cuBLAS):
-    enough that the output tiles times the splits give every SM a tile, each split's K at least BATCHED_MIN_CHUNK
-    and a divisor of K; none for more than BATCHED_MAX_ROWS rows or when one split would do."""
-    if not 0 < num_rows <= BATCHED_MAX_ROWS:
+def batched_splits(num_rows: int, k: int) -> int:
+    """How many K splits `batched_split_linear` takes for num_rows rows of a narrow projection over K (0: none —
+    cuBLAS then the norm op): the largest divisor of K up to BATCHED_MAX_SPLITS whose runs are at least
+    BATCHED_MIN_CHUNK long, for BATCHED_MIN_ROWS to BATCHED_MAX_ROWS rows; none when one split would do.
+
+    Session 29's sweep (H200, bf16, weights from HBM, µs against cuBLAS then the norm op; .dev probe): the 2B's down
+    (1536 x 8960) at 256 rows 20.28 → 17.58 with 4 splits (5: 18.80, 10: 23.25), at 128 14.48 → 14.49, at 64 13.44 →
+    13.90 (10 splits: 16.74); o_proj (1536 x 3072) at 256 / 128 / 64 rows 10.44 / 9.72 / 9.19 → 9.94 / 9.03 / 8.55 with
+    2 splits (8: 14.08 / 11.71 / 11.22); the attention's o (1536 x 1536) within ±0.1 unsplit, slower split."""
+    if not BATCHED_MIN_ROWS <= num_rows <= BATCHED_MAX_ROWS:
         return 0
-    tiles = triton.cdiv(num_rows, BATCHED_TILE) * triton.cdiv(n, BATCHED_TILE)
-    wanted = min(num_sms // tiles, k // BATCHED_MIN_CHUNK)
+    wanted = min(BATCHED_MAX_SPLITS, k // BATCHED_MIN_CHUNK)
     splits = max((s for s in range(1, wanted + 1) if k % s == 0), default=1)
     return splits if splits > 1 else 0
 

@@ -62,12 +62,3 @@ def split_norm() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_SPLIT_NORM: {value!r} is not 0 or 1")
     return value == "1"
-
-
-def split_sum_launch() -> bool:
-    """JETSERVE_SPLIT_SUM_LAUNCH=1: the Triton skinny GEMM's K-split partials are summed by a second launch (as before
-    session 29) instead of by each output tile's last split to finish; for comparison. Off by default."""
-    value = os.environ.get("JETSERVE_SPLIT_SUM_LAUNCH", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"JETSERVE_SPLIT_SUM_LAUNCH: {value!r} is not 0 or 1")
-    return value == "1"

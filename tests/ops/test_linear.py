@@ -113,40 +113,6 @@ def test_linear_kernel_every_path(
     assert_matches(kernels.linear(x, weight, bias, tiling=tiling), x, weight, bias)
 
 
-@pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
-@pytest.mark.parametrize("tiling", [(1, 16, 32, 3, False), (16, 32, 16, 5, True)])
-def test_split_sum_by_the_last_split_equals_the_second_launch(
-    kernels, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, tiling: tuple
-) -> None:
-    """K split: each output tile's last split to finish sums the partials (the default, no second launch) — bit for
-    bit what the second launch gives (JETSERVE_SPLIT_SUM_LAUNCH=1), bias and SiLU included, twice in a row (the tile
-    tickets are back to 0 after each launch)."""
-    num_rows, n, k = tiling[0] if tiling[4] else 1, 300, 200
-    x = randn(num_rows, k, dtype=dtype, seed=23).to(DEVICE)
-    weight = randn(n, k, dtype=dtype, seed=24, scale=k**-0.5).to(DEVICE)
-    bias = randn(n, dtype=dtype, seed=25).to(DEVICE)
-    t = kernels.GemvTiling(*tiling)
-    sums = []
-    real_sum = kernels._split_sum_kernel
-
-    class CountedSum:
-        def __getitem__(self, grid):
-            sums.append(grid)
-            return real_sum[grid]
-
-    monkeypatch.setattr(kernels, "_split_sum_kernel", CountedSum())
-    results = []
-    for flag in ("1", "0", "0"):
-        monkeypatch.setenv("JETSERVE_SPLIT_SUM_LAUNCH", flag)
-        results.append(kernels.linear(x, weight, bias, silu_cols=7, tiling=t))
-        assert not kernels._tile_tickets(x.device).any()
-    assert len(sums) == 1  # the flag's launch only
-    assert torch.equal(results[1], results[0]) and torch.equal(results[2], results[0])
-    exact = with_silu(expected(x, weight, bias), 7)
-    scale, tol = exact.pow(2).mean().sqrt().item(), TOLERANCE[dtype]
-    torch.testing.assert_close(results[1].double() / scale, exact / scale, rtol=tol, atol=tol)
-
-
 def with_silu(y: torch.Tensor, silu_cols: int) -> torch.Tensor:
     """y [M, N] (float64) with SiLU on columns [0, silu_cols)."""
     y = y.clone()

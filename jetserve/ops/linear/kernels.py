@@ -2,10 +2,8 @@
 the weight once. Each program owns BLOCK_N output features and a range of K; it loads each [BLOCK_N, BLOCK_K] weight
 tile once and multiplies it by all (≤ BLOCK_M) rows of x, accumulating in fp32: on tensor cores (tl.dot, the weight
 tile as the wide operand, rows of x padded to 16) or, for one row, with FMAs reduced over K once after the loop. When
-too few programs cover N to fill the GPU, K is split too: each split writes fp32 partial sums and the last split of an
-output tile to finish (a ticket counter per tile) adds them in a fixed order — or a second launch does, where the next
-RMSNorm needs whole rows (deterministic either way: no float atomics, no host sync; the launch can be captured in a
-CUDA graph).
+too few programs cover N to fill the GPU, K is split too: each split writes fp32 partial sums and a second launch adds
+them in a fixed order (deterministic; no atomics, no host sync: the launch can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve import envs
 from jetserve.ops.backend import sm_count
 from jetserve.ops.linear.reference import (
     AddNorm,
@@ -36,7 +33,6 @@ FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many pr
 FMA_LONG_K = 4096  # one-row FMA tiles: up to this K, 8 warps per program; past it, 2 rows per program (4 warps)
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 NORM_MIN_TILES_PER_SPLIT = 3  # ... and at least this many of the gated-norm mode's head-wide tiles (`widened_tiling`)
-MAX_TILE_TICKETS = 4096  # output tiles along N a K-split launch may have and still sum its tiles itself
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -79,7 +75,6 @@ def _linear_kernel(
     ticket,  # ADD_NORM: [1] int32, 0 between launches
     out_w,  # ADD_NORM: [N], the RMSNorm's weight
     out_eps,
-    tile_tickets,  # REDUCE_LAST: [programs along N] int32, 0 between launches
     HAS_BIAS: tl.constexpr,
     HAS_SILU: tl.constexpr,  # SiLU on output columns [0, silu_cols), after the bias
     GATED: tl.constexpr,  # x holds [gate | up] (K columns each): the GEMM's input is silu(gate) * up
@@ -88,7 +83,6 @@ def _linear_kernel(
     BLOCK_ROW: tl.constexpr,  # ADD_NORM: next power of two ≥ N (a whole row in one tile)
     BLOCK_P: tl.constexpr,  # ADD_NORM: next power of two ≥ the programs along N
     IS_SPLIT: tl.constexpr,
-    REDUCE_LAST: tl.constexpr,  # IS_SPLIT: the last split of an output tile to finish sums the tile's partials
     USE_DOT: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -160,43 +154,16 @@ def _linear_kernel(
     o_y = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
     if IS_SPLIT:
         tl.store(partial + i_s.to(tl.int64) * M * N + o_y, b_y, mask=m_y)
-        if REDUCE_LAST:  # the "last block" pattern per output tile, as `_add_norm_epilogue`'s
-            tl.debug_barrier()
-            num_splits = tl.num_programs(1)
-            if tl.atomic_add(tile_tickets + i_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                _store_output(_sum_partials(partial + o_y, M * N, num_splits, m_y), bias, silu_cols, y, o_y, o_n, m_n,
-                              m_y, HAS_BIAS, HAS_SILU)  # fmt: skip
-                tl.atomic_xchg(tile_tickets + i_n, 0)
-    elif ADD_NORM:
+    else:
         if HAS_BIAS:
             b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         if HAS_SILU:
             b_y = tl.where(o_n[None, :] < silu_cols, b_y * tl.sigmoid(b_y), b_y)
-        _add_norm_epilogue(b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M, N,
-                           BLOCK_ROW, BLOCK_P)  # fmt: skip
-    else:
-        _store_output(b_y, bias, silu_cols, y, o_y, o_n, m_n, m_y, HAS_BIAS, HAS_SILU)
-
-
-@triton.jit
-def _sum_partials(p_part, split_stride, num_splits, m_y):
-    """The fp32 partials of one output tile [BLOCK_M, BLOCK_N] summed over the splits in split order (the result does
-    not depend on which split finished first); loads bypass L1 (other programs wrote them)."""
-    b_y = tl.load(p_part, mask=m_y, other=0.0, cache_modifier=".cg")
-    for _ in range(1, num_splits):
-        p_part += split_stride
-        b_y += tl.load(p_part, mask=m_y, other=0.0, cache_modifier=".cg")
-    return b_y
-
-
-@triton.jit
-def _store_output(b_y, bias, silu_cols, y, o_y, o_n, m_n, m_y, HAS_BIAS: tl.constexpr, HAS_SILU: tl.constexpr):
-    """The tile's fp32 product [BLOCK_M, BLOCK_N] plus the bias, SiLU on columns [0, silu_cols), one rounding."""
-    if HAS_BIAS:
-        b_y += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    if HAS_SILU:
-        b_y = tl.where(o_n[None, :] < silu_cols, b_y * tl.sigmoid(b_y), b_y)
-    tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
+        if ADD_NORM:
+            _add_norm_epilogue(b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M,
+                               N, BLOCK_ROW, BLOCK_P)  # fmt: skip
+        else:
+            tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
@@ -583,8 +550,6 @@ def _launch(
         ticket = _ticket(x.device)
     else:
         residual, out_w, out_eps, h, sumsq, ticket = y, y, 0.0, y, partial, y
-    reduce_last = is_split and add is None and programs_n <= MAX_TILE_TICKETS and not envs.split_sum_launch()
-    tile_tickets = _tile_tickets(x.device) if reduce_last else y
     pdl = pdl_launch(x)
     _linear_kernel[(programs_n, num_splits)](
         x,
@@ -610,7 +575,6 @@ def _launch(
         ticket,
         out_w,
         out_eps,
-        tile_tickets,
         HAS_BIAS=bias is not None,
         HAS_SILU=silu_cols > 0,
         GATED=gated,
@@ -619,7 +583,6 @@ def _launch(
         BLOCK_ROW=triton.next_power_of_2(n) if add_in_gemm else 1,
         BLOCK_P=triton.next_power_of_2(programs_n) if add_in_gemm else 1,
         IS_SPLIT=is_split,
-        REDUCE_LAST=reduce_last,
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,
         EVEN_K=k % t.block_k == 0,
@@ -631,7 +594,7 @@ def _launch(
         num_stages=t.num_stages,
         **pdl,
     )
-    if is_split and not reduce_last:
+    if is_split:
         # a whole row per program to normalise it; else up to 1024 columns
         block_n = triton.next_power_of_2(n) if add is not None else min(1024, triton.next_power_of_2(n))
         residual, out_w, out_eps, h = add if add is not None else (y, y, 0.0, y)
@@ -654,15 +617,6 @@ def _launch(
             BLOCK_N=block_n,
             **pdl,
         )
-
-
-@functools.cache
-def _tile_tickets(device: torch.device) -> torch.Tensor:
-    """The split GEMM's per-output-tile ticket counters on `device`: [MAX_TILE_TICKETS] int32, allocated (zeroed) once,
-    eagerly (as `_ticket`), each put back to 0 by the program that sums its tile."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("linear: run a K-split launch once eagerly before capturing a CUDA graph (its tickets)")
-    return torch.zeros(MAX_TILE_TICKETS, dtype=torch.int32, device=device)
 
 
 @functools.cache

@@ -545,10 +545,12 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
             cases[f"silu columns T={n}"] = lambda n=n: silu_columns_case(s, dtype, device, n)
             cases[f"silu columns (torch) T={n}"] = lambda n=n: silu_columns_case(s, dtype, device, n, torch_op=True)
         cases[f"sample temperature-only N={n}"] = lambda n=n: sample_case(s, device, n, filtered=False)
-    for m in (1, 4, 16) if not small else (1, 3):  # decode rows on the Triton GEMM (ops.linear.GEMV_MAX_ROWS)
+    # decode rows on the Triton GEMM (ops.linear.GEMV_MAX_ROWS), and 256 rows past it: cuBLAS then the norm op, or
+    # with add_norm the K split's batched GEMM and one launch for the sum, the residual add and the norm
+    for m in (1, 4, 16, 256) if not small else (1, 3):
         for kind in ("down", "gated-norm o"):  # the next RMSNorm in the GEMM's epilogue, or its own launch
             for fused in (True, False):
-                label = "+ add_norm epilogue" if fused else "then rms_norm"
+                label = ("+ add_norm epilogue" if m <= 16 else "+ add_norm batched split") if fused else "then rms_norm"
                 cases[f"linear {kind} {label} M={m}, weights from HBM"] = lambda m=m, kind=kind, fused=fused: (
                     add_norm_case(s, dtype, device, kind, m, fused)
                 )

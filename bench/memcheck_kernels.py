@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     for model in models:
         cases = all_cases(SHAPES[model], dtype, device, small=True)
         decode = all_cases(SHAPES[model], dtype, device, small=False)
-        full = ("decode", "verify", "commit")  # at full batch: the tile rules pick other tiles past a few rows
+        full = ("decode", "verify", "commit", "batched split")  # full size: the rules pick other tiles past a few rows
         cases |= {n: build for n, build in decode.items() if any(k in n for k in full) and "ctx=4096" not in n}
         for name, build in cases.items():
             if argv and not any(part in name for part in argv):

@@ -12,6 +12,7 @@ bandwidth), its error against the reference, and which tiling the heuristic pick
 --json FILE.
 Usage: python bench/tile_sweep.py [--models 2b] [--only conv|verify|gemm|attn|delta] [--rows 1,32,64]
        [--conv-rows 1,16,64] [--verify-trees 1x7c,64x8t] [--attn-rows 1,64,256] [--delta-rows 64,256] [--json FILE]
+       [--cases NAMES] [--block-n 16,32] [--splits 1,4] [--tile-kind fma|dot]
        python bench/tile_sweep.py --smoke   (the CPU, the Triton interpreter, tiny shapes and a few tilings)
 """
 
@@ -230,11 +231,16 @@ def delta_cases(
     return cases
 
 
-def gemm_tilings(rows: int, smoke: bool, block_ns: tuple[int, ...] = (), splits: tuple[int, ...] = ()) -> list:
+def gemm_tilings(
+    rows: int, smoke: bool, block_ns: tuple[int, ...] = (), splits: tuple[int, ...] = (), kind: str = ""
+) -> list:
     """The tilings swept for `rows` rows of x: one-row FMA and 16-row tensor-core tiles for one row; tensor-core tiles
-    holding all the rows (wider weight tiles, 8 warps, K splits) for more. `block_ns` / `splits`, when given, keep only
-    the tilings with those weight-tile widths / K splits."""
+    holding all the rows (wider weight tiles, 8 warps, K splits) for more, and FMA tiles up to 8 rows. `block_ns` /
+    `splits` / `kind` ("fma" or "dot"), when given, keep only the tilings with those weight-tile widths / K splits /
+    that kind of tile."""
     tilings = _gemm_tilings(rows, smoke)
+    if kind:
+        tilings = [t for t in tilings if t.use_dot == (kind == "dot")]
     return [t for t in tilings if (not block_ns or t.block_n in block_ns) and (not splits or t.num_splits in splits)]
 
 
@@ -247,7 +253,14 @@ def _gemm_tilings(rows: int, smoke: bool) -> list:
     if rows > 1:
         # narrow weight tiles (16, 32: more programs on a narrow N without splitting K) were not swept before session 21
         dot = itertools.product((16, 32, 64, 128, 256), (64, 128), (3, 4), (1, 2, 3, 4, 6, 8, 16), (4, 8))
-        return [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
+        tilings = [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
+        if rows > 8:
+            return tilings
+        # up to 8 rows, FMA tiles too (a verify step's 7 rows; not swept before session 29): the fp32 accumulator
+        # [rows, BLOCK_N, BLOCK_K] kept at 4096 or 8192 values a program
+        fma_m = 1 << (rows - 1).bit_length()
+        fma = itertools.product(((1, 512), (1, 1024), (2, 256), (2, 512), (4, 256)), (4, 8), (1, 2, 4))
+        return tilings + [GemvTiling(fma_m, bn, bk, sp, False, w, 1) for (bn, bk), w, sp in fma]
     fma = itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8), (1, 2), (1,))  # 2-4 stages: no change (session 20)
     dot = itertools.product((32, 64), (128,), (3, 4), (1, 4, 16))
     tilings = [GemvTiling(1, bn, bk, sp, False, w, st) for bn, bk, w, sp, st in fma]
@@ -255,7 +268,14 @@ def _gemm_tilings(rows: int, smoke: bool) -> list:
 
 
 def gemm_cases(
-    s, dtype: torch.dtype, device: str, smoke: bool, rows: int = 1, block_ns: tuple = (), splits: tuple = ()
+    s,
+    dtype: torch.dtype,
+    device: str,
+    smoke: bool,
+    rows: int = 1,
+    block_ns: tuple = (),
+    splits: tuple = (),
+    kind: str = "",
 ) -> list[tuple[str, list, Callable, object]]:
     """The four decode GEMMs of a JetBlock layer for `rows` rows of x, each in its model mode (past GEMV_MAX_ROWS rows
     o_proj and down plain too: the model's mode there). The untiled row is the public op (`jetserve.ops.linear`):
@@ -263,7 +283,7 @@ def gemm_cases(
     from jetserve.ops import linear as public
     from jetserve.ops.linear import kernels, reference
 
-    tilings = gemm_tilings(rows, smoke, block_ns, splits)
+    tilings = gemm_tilings(rows, smoke, block_ns, splits, kind)
     hidden, mlp, d_v = s.hidden, s.mlp, s.channels
     d_k = s.jet_heads * s.key_dim
     silu_cols = 2 * d_k + s.generator
@@ -328,6 +348,7 @@ def main() -> None:
     p.add_argument("--cases", default="", help="only GEMM cases whose name holds one of these, comma-separated")
     p.add_argument("--block-n", default="", help="only GEMM tilings of these weight-tile widths, comma-separated")
     p.add_argument("--splits", default="", help="only GEMM tilings of these K splits, comma-separated")
+    p.add_argument("--tile-kind", default="", choices=["", "fma", "dot"], help="only GEMM tilings of this kind")
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="the CPU and the Triton interpreter, tiny shapes")
     args = p.parse_args()
@@ -347,7 +368,9 @@ def main() -> None:
             cases += conv_verify_cases(s, dtype, device, args.smoke, tuple(args.verify_trees.split(",")))
         if args.only in ("", "gemm"):
             for rows in map(int, args.rows.split(",") if not args.smoke else (1, 3)):
-                cases += gemm_cases(s, dtype, device, args.smoke, rows, ints(args.block_n), ints(args.splits))
+                cases += gemm_cases(
+                    s, dtype, device, args.smoke, rows, ints(args.block_n), ints(args.splits), args.tile_kind
+                )
         if args.only in ("", "attn"):
             cases += attn_cases(s, dtype, device, args.smoke, tuple(map(int, args.attn_rows.split(","))))
         if args.only in ("", "delta"):

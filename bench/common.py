@@ -45,6 +45,7 @@ from jetserve.ops.kv_metadata import kv_metadata  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import argmax, sample, top_logprob  # noqa: E402
+from jetserve.spec.eagle3 import DEFAULT_DRAFT_VOCAB  # noqa: E402
 
 Case = tuple[Callable[[], object], int, int]
 
@@ -462,13 +463,10 @@ def argmax_case(s: Shapes, device: str, n: int, torch_op: bool = False) -> Case:
     return op, _nbytes(logits) + n * 8, 0
 
 
-DRAFT_VOCAB = 32000  # a random EAGLE-3 draft's vocabulary (`random_draft_config`'s default: at most this)
-
-
 def top_logprob_case(s: Shapes, dtype: torch.dtype, device: str, n: int, torch_op: bool = False) -> Case:
     """A draft's top-1 of n rows of its lm_head's logits (dtype) with the d2t shift (each chain level):
     `ops.sampling.top_logprob`, or torch's `log_softmax(logits.float()).max` and the shift (`torch_op`)."""
-    vocab = min(s.vocab, DRAFT_VOCAB)
+    vocab = min(s.vocab, DEFAULT_DRAFT_VOCAB)  # a random draft's vocabulary (`random_draft_config`)
     logits = _randn(n, vocab, dtype=dtype, device=device, scale=4.0)
     d2t = torch.randint(0, s.vocab - vocab + 1, (vocab,), device=device)
 

@@ -24,6 +24,7 @@ from jetserve.model.loader import DTYPES
 from jetserve.ops.attention import attention_decode, attention_prefill, attention_verify, rope_cos_sin
 from jetserve.ops.sampling import top_logprob
 
+DEFAULT_DRAFT_VOCAB = 32000  # a random draft's reduced vocabulary (at most the target's), a common EAGLE-3 size
 # Where a checkpoint's config lists the target layers it was trained on (SpecForge and SGLang read both places).
 AUX_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 NUM_FEATURES = 3
@@ -364,9 +365,9 @@ def load_draft_model(
 
 def random_draft_config(target: ModelConfig, draft_vocab_size: int | None = None, dtype: str = "auto") -> dict:
     """The config.json of a draft for `target` (SpecForge's LlamaForCausalLMEagle3: the target's attention/MLP sizes,
-    `draft_vocab_size` — default min(vocab, 32000) — and eagle_config with the default aux layer ids)."""
+    `draft_vocab_size` — default min(vocab, DEFAULT_DRAFT_VOCAB) — and eagle_config with the default aux layer ids)."""
     vocab = target.vocab_size
-    draft_vocab = min(vocab, 32000) if draft_vocab_size is None else draft_vocab_size
+    draft_vocab = min(vocab, DEFAULT_DRAFT_VOCAB) if draft_vocab_size is None else draft_vocab_size
     if not 0 < draft_vocab <= vocab:
         raise ValueError(f"draft_vocab_size: {draft_vocab} must be in [1, {vocab}]")
     torch_dtype = target.torch_dtype if dtype == "auto" else dtype

@@ -97,7 +97,7 @@ def test_runs_cover_the_channels_once_each(kernels) -> None:
         plan = kernels.plan_launch(t, inter, num_sms)
         units = -(-inter // 16)
         bounds = [min(inter, (p * units // plan.programs) * 16) for p in range(plan.programs + 1)]
-        runs = [b - a for a, b in zip(bounds, bounds[1:])]
+        runs = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         assert plan.programs <= min(units, 2 * num_sms) and bounds[0] == 0 and bounds[-1] == inter
         assert min(runs) > 0 and max(runs) - min(runs) <= 16 and max(runs) <= plan.block_i
 

@@ -11,7 +11,7 @@ from jetserve.ops.linear.reference import AddNorm
 
 
 def check_swiglu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
-    """ValueError unless x [..., D], gate_up_weight [≥ 2I, D] and down_weight [D, I] fit together and share x's dtype."""
+    """ValueError unless x [..., D], gate_up_weight [≥ 2I, D] and down_weight [D, I] fit and share x's dtype."""
     if x.dim() < 1:
         raise ValueError("x must have a last (hidden) dimension")
     hidden = x.shape[-1]
@@ -23,9 +23,7 @@ def check_swiglu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight:
             f"gate_up_weight must be [>= 2I, D] = [>= {width}, {hidden}], got shape {tuple(gate_up_weight.shape)}"
         )
     if gate_up_weight.dtype != x.dtype or down_weight.dtype != x.dtype:
-        raise ValueError(
-            f"weights must be in x's dtype {x.dtype}, got {gate_up_weight.dtype} and {down_weight.dtype}"
-        )
+        raise ValueError(f"weights must be in x's dtype {x.dtype}, got {gate_up_weight.dtype} and {down_weight.dtype}")
 
 
 def swiglu_mlp(

@@ -11,6 +11,7 @@ Usage: python bench/mlp.py [--models 2b] [--rows 1,7] [--layers 28] [--sweep sma
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -123,7 +124,8 @@ def main() -> None:
                 try:
                     got = chain(layers, x, residual, op)[0].float()
                     err = ((got - want).norm() / want.norm()).item()
-                    seconds = time_ms(lambda op=op: chain(layers, x, residual, op), device) / 1e3 / num_layers
+                    run = functools.partial(chain, layers, x, residual, op)
+                    seconds = time_ms(run, device) / 1e3 / num_layers
                 except Exception as exc:  # a tiling that does not compile or fit: reported, the sweep goes on
                     print(f"{model:<6} {num_rows:>4} {name[:58]:<58} failed: {type(exc).__name__}: {exc}"[:200])
                     continue
@@ -133,7 +135,8 @@ def main() -> None:
                 if out:
                     row = {"model": model, "rows": num_rows, "variant": name, "us_per_layer": seconds * 1e6,
                            "gbps": gbps, "copy_fraction": layer_bytes / seconds / copy_bw, "error": err,
-                           "roofline_us": layer_bytes / copy_bw * 1e6, "sms": sm_count(torch.device(device))}  # fmt: skip
+                           "roofline_us": layer_bytes / copy_bw * 1e6,
+                           "sms": sm_count(torch.device(device))}  # fmt: skip
                     out.write(json.dumps(row) + "\n")
                     out.flush()
 

@@ -28,22 +28,25 @@ EPS = 1e-6
 
 
 def tilings(num_rows: int, sweep: str, smoke: bool) -> list:
-    """The tilings swept at num_rows rows: FMA tiles for one row, tensor-core tiles for any (rows padded to 16)."""
+    """The tilings swept at num_rows rows (tensor-core tiles, rows padded to 16; `full` adds one-row FMA tiles)."""
     from jetserve.ops.mlp.kernels import MlpTiling
 
     if sweep == "none":
         return []
     if smoke:
         return [MlpTiling(1, 16, 16, num_rows > 1, num_warps=2, num_stages=1 if num_rows == 1 else 2)]
-    small = sweep == "small"
-    out = []
-    if num_rows == 1:
-        for pps, bk, bn, warps in itertools.product((1, 2, 4), (64, 128, 256), (32, 64), (4, 8)):
-            if not small or bn == 64:
-                out.append(MlpTiling(pps, bk, bn, False, num_warps=warps, num_stages=1))
-    for pps, bk, bn, stages in itertools.product((1, 2, 4), (64, 128), (64, 128), (2, 3, 4)):
-        if not small or stages == 3:
-            out.append(MlpTiling(pps, bk, bn, True, num_warps=4, num_stages=stages))
+    out = [
+        MlpTiling(1, 128, 128, True, num_stages=4),
+        MlpTiling(1, 64, 128, True, num_stages=4),
+        MlpTiling(1, 128, 64, True, num_stages=3),
+        MlpTiling(2, 128, 128, True, num_stages=3, align=64),  # 140 runs of 64 channels at the 2B
+        MlpTiling(2, 128, 64, True, num_stages=3, align=64),
+        MlpTiling(1, 128, 128, True, num_stages=3, sum_block_n=64),
+    ]
+    if sweep == "full":
+        for pps, bk, warps in itertools.product((1, 2, 4), (64, 128), (4, 8)):
+            if num_rows == 1:
+                out.append(MlpTiling(pps, bk, 64, False, num_warps=warps, num_stages=1))
     return out
 
 
@@ -98,11 +101,13 @@ def main() -> None:
     models = ["smoke"] if args.smoke else args.models.split(",")
     out = open(args.json, "a") if args.json else None
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    print(f"{'model':<6} {'rows':>4} {'variant':<58} {'µs/layer':>9} {'GB/s':>6} {'%copy':>6} {'err':>8}")
+    print(f"{'model':<6} {'rows':>4} {'variant':<70} {'µs/layer':>9} {'GB/s':>6} {'%copy':>6} {'err':>8}")
     for model in models:
         hidden, inter, num_layers = SHAPES[model]
         num_layers = args.layers or num_layers
         layers = make_layers(hidden, inter, num_layers, dtype, device)
+        # the down weight stored [I, D] (its rows the runs' channels: each run one contiguous block), viewed as [D, I]
+        transposed = [(gate_up, down.t().contiguous().t(), norm_w) for gate_up, down, norm_w in layers]
         layer_bytes = 3 * hidden * inter * dtype.itemsize
         for num_rows in (int(r) for r in (args.rows if not args.smoke else "1,3").split(",")):
             gen = torch.Generator(device=device).manual_seed(num_rows)
@@ -110,27 +115,29 @@ def main() -> None:
             residual = torch.randn(num_rows, hidden, device=device, generator=gen).to(dtype)
             want = chain(layers, x, residual, two_gemms)[0].float()
             picked = kernels.choose_tiling(num_rows) if num_rows <= kernels.MAX_BLOCK_M else None
-            variants = [("two GEMMs (JETSERVE_FUSED_MLP=0)", two_gemms), (f"fused, picked: {describe(picked)}", None)]
-            variants += [(f"fused {describe(t)}", t) for t in tilings(num_rows, args.sweep, args.smoke) if t != picked]
-            for name, variant in variants:
+            variants = [("two GEMMs (JETSERVE_FUSED_MLP=0)", two_gemms, layers)]
+            fused = [(f"picked: {describe(picked)}", picked)]
+            fused += [(describe(t), t) for t in tilings(num_rows, args.sweep, args.smoke) if t != picked]
+            for label, tiling in fused:
+                variants += [(f"fused {label}", tiling, layers), (f"fused, down [I, D] {label}", tiling, transposed)]
+            for name, variant, weights in variants:
                 if variant is two_gemms:
                     op = two_gemms
                 else:
-                    tiling = picked if variant is None else variant
 
-                    def op(x, gate_up, down, add_norm, tiling=tiling):
+                    def op(x, gate_up, down, add_norm, tiling=variant):
                         return kernels.swiglu_mlp(x, gate_up, down, tiling=tiling, add_norm=add_norm)
 
                 try:
-                    got = chain(layers, x, residual, op)[0].float()
+                    got = chain(weights, x, residual, op)[0].float()
                     err = ((got - want).norm() / want.norm()).item()
-                    run = functools.partial(chain, layers, x, residual, op)
+                    run = functools.partial(chain, weights, x, residual, op)
                     seconds = time_ms(run, device) / 1e3 / num_layers
                 except Exception as exc:  # a tiling that does not compile or fit: reported, the sweep goes on
-                    print(f"{model:<6} {num_rows:>4} {name[:58]:<58} failed: {type(exc).__name__}: {exc}"[:200])
+                    print(f"{model:<6} {num_rows:>4} {name[:70]:<70} failed: {type(exc).__name__}: {exc}"[:200])
                     continue
                 gbps = layer_bytes / seconds / 1e9
-                print(f"{model:<6} {num_rows:>4} {name[:58]:<58} {seconds * 1e6:>9.2f} {gbps:>6.0f} "
+                print(f"{model:<6} {num_rows:>4} {name[:70]:<70} {seconds * 1e6:>9.2f} {gbps:>6.0f} "
                       f"{layer_bytes / seconds / copy_bw:>6.1%} {err:>8.1e}")  # fmt: skip
                 if out:
                     row = {"model": model, "rows": num_rows, "variant": name, "us_per_layer": seconds * 1e6,

@@ -79,6 +79,17 @@ def test_triton_mlp_matches_the_reference(kernels, dtype, tiling, num_rows, hidd
     assert int(kernels.ticket_counter(x.device)) == 0
 
 
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_a_transposed_down_weight_gives_the_same_values(kernels, num_rows) -> None:
+    """The down weight stored [I, D] (viewed as [D, I]: unit stride along D) is read as it lies."""
+    x, gate_up, down, add = make_case(num_rows, 40, 70, torch.float32, seed=11)
+    down_t = down.t().contiguous().t()
+    assert down_t.stride() == (1, 40)
+    want = ref.swiglu_mlp(x, gate_up, down, add_norm=add)
+    for a, b in zip(kernels.swiglu_mlp(x, gate_up, down_t, add_norm=add), want, strict=True):
+        assert_close(a, b)
+
+
 def test_rows_past_one_launch_run_as_several(kernels) -> None:
     """MAX_BLOCK_M + 3 rows with leading dims: two launches, the second of 3 rows."""
     x, gate_up, down, (residual, norm_weight, eps) = make_case(kernels.MAX_BLOCK_M + 3, 24, 40, torch.float32, 7)

@@ -43,17 +43,15 @@ class MlpTiling:
     num_warps: int = 4
     num_stages: int = 3
     align: int = 16
-    sum_block_n: int = 64
+    sum_block_n: int = 16
 
 
 def choose_tiling(num_rows: int) -> MlpTiling:
-    """The launch for num_rows (≤ MAX_BLOCK_M) rows of x: one row on FMA tiles (8 warps, 2 programs an SM), more on
-    tensor-core tiles (rows padded to 16). A first guess for the H200 at the 2B/4B shapes (bench/tile_sweep.py --only
-    mlp sweeps the alternatives)."""
+    """The launch for num_rows (≤ MAX_BLOCK_M) rows of x: tensor-core tiles (rows padded to 16), one program an SM.
+    Session 30's sweep (bench/mlp.py, H200, 2B, a chain of 28 layers, µs a layer at 1 / 7 rows): one program an SM
+    with 128 x 128 steps 30.9 / 47.7, two 32.3 / 64.5, four 42.4 / 110.3; one-row FMA tiles 44.4 at best."""
     assert 0 < num_rows <= MAX_BLOCK_M
-    if num_rows == 1:
-        return MlpTiling(programs_per_sm=2, block_k=128, block_n=64, use_dot=False, num_warps=8, num_stages=1)
-    return MlpTiling(programs_per_sm=2, block_k=128, block_n=64, use_dot=True, num_warps=4, num_stages=3)
+    return MlpTiling(programs_per_sm=1, block_k=128, block_n=128, use_dot=True, num_warps=4, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ def plan_launch(t: MlpTiling, inter: int, num_sms: int) -> MlpLaunch:
 def _mlp_partials_kernel(
     x,  # [M, D]
     w_gu,  # [≥ 2I, D]: rows [0, I) gate, [I, 2I) up
-    w_d,  # [D, I]
+    w_d,  # [D, I], either layout: unit stride along I (nn.Linear's) or along D (the transposed weight's rows)
     partial,  # [P, M, D] fp32 out: program p's share of down(silu(gate) * up) over its run of channels
     M,
     D,
@@ -88,7 +86,8 @@ def _mlp_partials_kernel(
     up_offset,  # I * stride_gu: where the up rows start (an int64 argument when it needs one)
     stride_xm,
     stride_gu,
-    stride_d,
+    stride_dn,
+    stride_di,
     ALIGN: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,  # BLOCK_K divides D
@@ -150,7 +149,7 @@ def _mlp_partials_kernel(
     b_up = b_up.to(x.dtype.element_ty).to(tl.float32)
     b_h = (b_gate * tl.sigmoid(b_gate) * b_up).to(x.dtype.element_ty)  # [BLOCK_I, BLOCK_M]
     o_n = tl.arange(0, BLOCK_N)
-    p_d = w_d + o_n.to(tl.int64)[:, None] * stride_d + o_i[None, :]  # [BLOCK_N, BLOCK_I]
+    p_d = w_d + o_n.to(tl.int64)[:, None] * stride_dn + o_i.to(tl.int64)[None, :] * stride_di  # [BLOCK_N, BLOCK_I]
     p_o = partial + i_p.to(tl.int64) * M * D + o_m.to(tl.int64)[None, :] * D + o_n[:, None]  # [BLOCK_N, BLOCK_M]
     for j in range(tl.cdiv(D, BLOCK_N)):
         if EVEN_N:
@@ -166,7 +165,7 @@ def _mlp_partials_kernel(
         else:
             b_o = tl.sum(b_d.to(tl.float32) * tl.trans(b_h.to(tl.float32)), axis=1)[:, None]  # [BLOCK_N, 1]
         tl.store(p_o, b_o, mask=m_o)
-        p_d += BLOCK_N * stride_d
+        p_d += BLOCK_N * stride_dn
         p_o += BLOCK_N
     pdl_exit(PDL)  # the sum launch may start during this one's tail
 
@@ -239,7 +238,8 @@ def swiglu_mlp(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     gate_up_weight = gate_up_weight if gate_up_weight.stride(-1) == 1 else gate_up_weight.contiguous()
-    down_weight = down_weight if down_weight.stride(-1) == 1 else down_weight.contiguous()
+    if 1 not in down_weight.stride():  # neither nn.Linear's layout nor its transpose's
+        down_weight = down_weight.contiguous()
     y = torch.empty(num_rows, d, dtype=x.dtype, device=x.device)  # [M, D]
     h = None
     if add_norm is not None:
@@ -277,7 +277,7 @@ def _launch(
     _mlp_partials_kernel[(plan.programs,)](
         x, gate_up_weight, down_weight, partial, num_rows, d, inter, plan.num_units,
         inter * gate_up_weight.stride(0), x.stride(0),
-        gate_up_weight.stride(0), down_weight.stride(0),
+        gate_up_weight.stride(0), *down_weight.stride(),
         ALIGN=t.align, USE_DOT=t.use_dot, EVEN_K=d % t.block_k == 0, EVEN_N=d % t.block_n == 0,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_I=plan.block_i,
         BLOCK_K=t.block_k, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **pdl,

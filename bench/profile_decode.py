@@ -6,7 +6,7 @@ the kernels that take the most GPU time with their calls per step. One JSON line
 With `--draft random`, the steps are speculative (a random EAGLE-3 draft, adaptive speculation off so every step
 verifies, every draft forced wrong: the verify step's overhead, kernel by kernel).
 Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
-       [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7]
+       [--max-num-seqs N] [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7]
 """
 
 from __future__ import annotations
@@ -168,6 +168,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json")
     p.add_argument(
+        "--max-num-seqs", type=int, default=0,
+        help="the engine's max_num_seqs (default: the largest batch size); a server's is its own, often larger",
+    )  # fmt: skip
+    p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="decode steps launched ahead (the engine's default; steps launched ahead skip the scheduler); the "
         "phase breakdown synchronises at every phase boundary, so its phases add up to a step without overlap",
@@ -187,7 +191,8 @@ def main() -> None:
         draft = random_draft_model(model, seed=0)
         spec = dict(draft="random", spec_topk=args.spec_topk, spec_steps=args.spec_steps,
                     spec_num_draft_tokens=args.spec_num_draft_tokens, spec_adaptive=False)  # fmt: skip
-    config = EngineConfig(device="cuda", max_num_seqs=max(sizes), max_model_len=args.input_len + 4 * args.steps + 256,
+    max_num_seqs = max(args.max_num_seqs, *sizes)
+    config = EngineConfig(device="cuda", max_num_seqs=max_num_seqs, max_model_len=args.input_len + 4 * args.steps + 256,
                           overlap_scheduling=args.overlap_scheduling, **spec)  # fmt: skip
     forced = "wrong" if args.draft else None
     engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance=forced)
@@ -195,7 +200,8 @@ def main() -> None:
     rows = [profile_batch(engine, b, args.input_len, args.steps, args.top, bandwidth) for b in sizes]
     if args.json:
         with open(args.json, "a") as f:
-            f.writelines(json.dumps(r | {"config": args.config, "device": torch.cuda.get_device_name()}) + "\n"
+            meta = {"config": args.config, "max_num_seqs": max_num_seqs, "device": torch.cuda.get_device_name()}
+            f.writelines(json.dumps(r | meta) + "\n"
                          for r in rows)  # fmt: skip
 
 

@@ -36,13 +36,12 @@ def tilings(num_rows: int, sweep: str, smoke: bool) -> list:
     if smoke:
         return [MlpTiling(1, 16, 16, num_rows > 1, num_warps=2, num_stages=1 if num_rows == 1 else 2)]
     out = [
+        MlpTiling(1, 128, 128, True, num_stages=4),
         MlpTiling(1, 64, 128, True, num_stages=4),
-        MlpTiling(1, 128, 128, True, num_stages=3),
-        MlpTiling(1, 64, 128, True, num_stages=3, stages_b=5, align=8),
-        MlpTiling(1, 64, 128, True, num_warps=8, num_stages=4, align=8),
-        MlpTiling(1, 128, 128, True, num_stages=3, align=8),
-        MlpTiling(1, 64, 256, True, num_stages=3, stages_b=3, align=8),
-        MlpTiling(2, 64, 128, True, num_stages=3, align=32),
+        MlpTiling(1, 128, 64, True, num_stages=3),
+        MlpTiling(2, 128, 128, True, num_stages=3, align=64),  # 140 runs of 64 channels at the 2B
+        MlpTiling(2, 128, 64, True, num_stages=3, align=64),
+        MlpTiling(1, 128, 128, True, num_stages=3, sum_block_n=64),
     ]
     if sweep == "full":
         for pps, bk, warps in itertools.product((1, 2, 4), (64, 128), (4, 8)):
@@ -53,7 +52,7 @@ def tilings(num_rows: int, sweep: str, smoke: bool) -> list:
 
 def describe(t) -> str:
     return (f"{'dot' if t.use_dot else 'fma'} {t.programs_per_sm}/SM k{t.block_k} n{t.block_n} w{t.num_warps} "
-            f"s{t.num_stages}/{t.stages_b or t.num_stages} a{t.align} sum{t.sum_block_n}")  # fmt: skip
+            f"s{t.num_stages} a{t.align} sum{t.sum_block_n}")  # fmt: skip
 
 
 def make_layers(hidden: int, inter: int, num_layers: int, dtype: torch.dtype, device: str):
@@ -107,6 +106,8 @@ def main() -> None:
         hidden, inter, num_layers = SHAPES[model]
         num_layers = args.layers or num_layers
         layers = make_layers(hidden, inter, num_layers, dtype, device)
+        # the down weight stored [I, D] (its rows the runs' channels: each run one contiguous block), viewed as [D, I]
+        transposed = [(gate_up, down.t().contiguous().t(), norm_w) for gate_up, down, norm_w in layers]
         layer_bytes = 3 * hidden * inter * dtype.itemsize
         for num_rows in (int(r) for r in (args.rows if not args.smoke else "1,3").split(",")):
             gen = torch.Generator(device=device).manual_seed(num_rows)
@@ -118,7 +119,7 @@ def main() -> None:
             fused = [(f"picked: {describe(picked)}", picked)]
             fused += [(describe(t), t) for t in tilings(num_rows, args.sweep, args.smoke) if t != picked]
             for label, tiling in fused:
-                variants += [(f"fused {label}", tiling, layers)]
+                variants += [(f"fused {label}", tiling, layers), (f"fused, down [I, D] {label}", tiling, transposed)]
             for name, variant, weights in variants:
                 if variant is two_gemms:
                     op = two_gemms

@@ -44,7 +44,6 @@ class MlpTiling:
     num_stages: int = 3
     align: int = 16
     sum_block_n: int = 16
-    stages_b: int = 0  # the down projection loop's pipeline depth (0: num_stages)
 
 
 def choose_tiling(num_rows: int) -> MlpTiling:
@@ -52,7 +51,7 @@ def choose_tiling(num_rows: int) -> MlpTiling:
     Session 30's sweep (bench/mlp.py, H200, 2B, a chain of 28 layers, µs a layer at 1 / 7 rows): one program an SM
     with 128 x 128 steps 30.9 / 47.7, two 32.3 / 64.5, four 42.4 / 110.3; one-row FMA tiles 44.4 at best."""
     assert 0 < num_rows <= MAX_BLOCK_M
-    return MlpTiling(programs_per_sm=1, block_k=64, block_n=128, use_dot=True, num_warps=4, num_stages=4, align=8)
+    return MlpTiling(programs_per_sm=1, block_k=128, block_n=128, use_dot=True, num_warps=4, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -93,8 +92,6 @@ def _mlp_partials_kernel(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,  # BLOCK_K divides D
     EVEN_N: tl.constexpr,  # BLOCK_N divides D
-    EVEN_I: tl.constexpr,  # ALIGN divides I
-    STAGES_B: tl.constexpr,  # the down projection loop's pipeline depth
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -104,12 +101,8 @@ def _mlp_partials_kernel(
 ):
     i_p = tl.program_id(0)
     num_p = tl.num_programs(0)
-    # run bounds are multiples of ALIGN channels (the last one I's when ALIGN divides I): told to the compiler, so the
-    # down weight's loads along the run (its rows' contiguous dim) and their masks vectorise
-    start = tl.multiple_of((i_p * num_units // num_p) * ALIGN, ALIGN)
+    start = (i_p * num_units // num_p) * ALIGN
     end = tl.minimum(((i_p + 1) * num_units // num_p) * ALIGN, I)
-    if EVEN_I:
-        end = tl.multiple_of(end, ALIGN)
     o_i = start + tl.arange(0, BLOCK_I)
     m_i = o_i < end  # channels past the run load nothing: their gate and up are 0, so silu(gate) * up is 0 too
     o_m = tl.arange(0, BLOCK_M)
@@ -158,7 +151,7 @@ def _mlp_partials_kernel(
     o_n = tl.arange(0, BLOCK_N)
     p_d = w_d + o_n.to(tl.int64)[:, None] * stride_dn + o_i.to(tl.int64)[None, :] * stride_di  # [BLOCK_N, BLOCK_I]
     p_o = partial + i_p.to(tl.int64) * M * D + o_m.to(tl.int64)[None, :] * D + o_n[:, None]  # [BLOCK_N, BLOCK_M]
-    for j in tl.range(tl.cdiv(D, BLOCK_N), num_stages=STAGES_B):
+    for j in range(tl.cdiv(D, BLOCK_N)):
         if EVEN_N:
             m_d = m_i[None, :]
             m_o = m_m[None, :]
@@ -286,7 +279,6 @@ def _launch(
         inter * gate_up_weight.stride(0), x.stride(0),
         gate_up_weight.stride(0), *down_weight.stride(),
         ALIGN=t.align, USE_DOT=t.use_dot, EVEN_K=d % t.block_k == 0, EVEN_N=d % t.block_n == 0,
-        EVEN_I=inter % t.align == 0, STAGES_B=t.stages_b or t.num_stages,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_I=plan.block_i,
         BLOCK_K=t.block_k, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **pdl,
     )  # fmt: skip

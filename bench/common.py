@@ -43,7 +43,6 @@ from jetserve.ops.jet_mixer import decode as fused_mixer  # noqa: E402
 from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
 from jetserve.ops.kv_metadata import kv_metadata  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
-from jetserve.ops.mlp import swiglu_mlp  # noqa: E402
 from jetserve.ops.norm import gated_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from jetserve.ops.sampling import argmax, sample, top_logprob  # noqa: E402
 from jetserve.spec.eagle3 import DEFAULT_DRAFT_VOCAB  # noqa: E402
@@ -439,31 +438,6 @@ def add_norm_case(s: Shapes, dtype: torch.dtype, device: str, kind: str, m: int,
     return lambda: [one(w) for w in ws], copies * per_call, copies * 2 * m * n * k
 
 
-def mlp_case(s: Shapes, dtype: torch.dtype, device: str, m: int, fused: bool) -> Case:
-    """A decoder layer's MLP from its normed input to the next RMSNorm at m rows: the fused op (`ops.mlp`: one launch
-    and the sum of its partial outputs with the norm) or the two GEMMs (gate|up, the SwiGLU down) then the norm op.
-    The weights rotate through copies past 4x the L2 on a GPU, as in a decode step; one call runs every copy once."""
-    layer_bytes = 3 * s.hidden * s.mlp * dtype.itemsize
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 0
-    copies = max(1, -(-4 * l2 // layer_bytes))
-    weights = [
-        (_randn(2 * s.mlp, s.hidden, dtype=dtype, device=device, scale=s.hidden**-0.5),
-         _randn(s.hidden, s.mlp, dtype=dtype, device=device, scale=s.mlp**-0.5))
-        for _ in range(copies)
-    ]  # fmt: skip
-    x, residual = _randn(m, s.hidden, dtype=dtype, device=device), _randn(m, s.hidden, dtype=dtype, device=device)
-    add = (residual, _randn(s.hidden, dtype=dtype, device=device), 1e-6)
-    swiglu_mlp(x, *weights[0], add_norm=add)  # once eagerly: the norm's ticket counter is allocated outside a capture
-
-    def one(gate_up: torch.Tensor, down: torch.Tensor):
-        if fused:
-            return swiglu_mlp(x, gate_up, down, add_norm=add)
-        return swiglu_linear(linear(x, gate_up), down, add_norm=add)
-
-    per_call = layer_bytes + _nbytes(x, residual) + 2 * m * s.hidden * dtype.itemsize
-    return lambda: [one(*w) for w in weights], copies * per_call, copies * 6 * m * s.hidden * s.mlp
-
-
 def sample_case(s: Shapes, device: str, n: int, filtered: bool = True) -> Case:
     """sample over the vocabulary with top-k 50 and top-p 0.9 (`filtered`), or temperature alone with the promise
     that no row filters (the engine's Sampler makes it from the host's parameters): the fp32 logits and row
@@ -578,10 +552,6 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
                 cases[f"linear {kind} {label} M={m}, weights from HBM"] = lambda m=m, kind=kind, fused=fused: (
                     add_norm_case(s, dtype, device, kind, m, fused)
                 )
-    for m in (1, 7) if not small else (1, 3):  # the fused MLP's rows (ops.mlp.FUSED_MAX_ROWS): decode, chain-6 verify
-        for fused in (True, False):
-            label = "fused" if fused else "gate|up then swiglu down"
-            cases[f"mlp {label} M={m}, weights from HBM"] = lambda m=m, f=fused: mlp_case(s, dtype, device, m, f)
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
         cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)

@@ -54,15 +54,6 @@ def fused_mixer() -> bool:
     return value == "1"
 
 
-def fused_mlp() -> bool:
-    """The decoder layer's SwiGLU MLP for up to `ops.mlp.FUSED_MAX_ROWS` rows as one Triton launch and the sum of its
-    partial outputs (`jetserve.ops.mlp`): on by default; JETSERVE_FUSED_MLP=0 runs the gate|up and down GEMMs."""
-    value = os.environ.get("JETSERVE_FUSED_MLP", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"JETSERVE_FUSED_MLP: {value!r} is not 0 or 1")
-    return value == "1"
-
-
 def split_norm() -> bool:
     """Past the Triton GEMM's rows, a narrow projection followed by the next RMSNorm (o_proj, down at decode batches)
     runs as a batched GEMM of K-split partials and one Triton launch that sums them, adds the residual and normalises

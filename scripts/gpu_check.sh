@@ -2,14 +2,12 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,verify,linear,tiles,long,tp,mixer,mlp (default: the
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,verify,linear,tiles,long,tp,mixer (default: the
 #   first four); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts forced wrong) and its profile;
 #   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
-#   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on; mlp decides
-#   `JETSERVE_FUSED_MLP`: the fused MLP's GPU tests, its tile sweep (bench/mlp.py), batch-1 decode and the chain-6
-#   verify step at batch 1 with it off and on
+#   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
 # The compiled Triton kernels come back as OUT_DIR/triton-cache.tar.xz: put it in the ignored .gpu-cache/ and carry
 # ".gpu-cache" too, and the next call (a fresh machine) starts without recompiling (scripts/triton_cache.sh).
@@ -116,21 +114,6 @@ case ",$STAGES," in *,mixer,*)
   else
     JETSERVE_FUSED_MIXER=1 run bench_mixer_on "${OFFLINE[@]}"
     JETSERVE_FUSED_MIXER=0 run bench_mixer_off "${OFFLINE[@]}"
-  fi ;; esac
-case ",$STAGES," in *,mlp,*)
-  run gpu_tests_mlp "${PYTEST[@]}" tests/ops/test_mlp.py
-  run bench_mlp python3 bench/mlp.py --models 2b --rows "${MLP_ROWS:-1,7}" --sweep "${MLP_SWEEP:-small}" \
-    --json "$OUT_DIR/mlp.jsonl"
-  for flag in 0 1; do
-    JETSERVE_FUSED_MLP=$flag run "bench_mlp_decode_$flag" python3 -m jetserve.cli bench offline --config 2b \
-      --batch-sizes 1 --input-len 1024 --output-len 64 --json
-  done
-  if [ -n "${MLP_VERIFY:-}" ]; then
-    for flag in 0 1; do
-      JETSERVE_FUSED_MLP=$flag run "bench_mlp_verify_$flag" python3 -m jetserve.cli bench offline --config 2b \
-        --draft random --input-len 1024 --output-len 64 --batch-sizes 1 --spec-topk 1 --spec-steps 6 \
-        --spec-num-draft-tokens 7 --forced-acceptance wrong --no-spec-adaptive
-    done
   fi ;; esac
 save_triton_cache "$OUT_DIR"
 exit $status

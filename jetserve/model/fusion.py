@@ -55,23 +55,15 @@ class InputProjections:
     def project(self, x: torch.Tensor, silu_cols: int = 0) -> torch.Tensor:
         """x [T, in] → [T, Σ out], SiLU on output columns [0, silu_cols) (in the GEMM's epilogue on the Triton path).
         On either path the result is a view whose row stride is padded to a multiple of OUTPUT_ROW_ALIGN."""
-        fused = self.current_fused_input()
-        if fused is not None:
-            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols)[:, : fused.width]  # [T, Σ out]
-        weight, bias, width = _concatenated(self.input_projections(), detach=False)  # [Σ out + pad, in], [Σ out + pad]
-        return linear(x, weight, bias, silu_cols=silu_cols)[:, :width]  # [T, Σ out]
-
-    def current_fused_input(self) -> FusedWeights | None:
-        """The fused weights when they are still the parameters' storage and autograd does not need the separate
-        weights (else None: the GEMM runs over the weights concatenated on the fly). A stale copy is dropped."""
         linears = self.input_projections()
         fused = self.fused_input
         if fused is not None and not fused.is_current(linears):
             logger.warning("%s: parameters replaced after fuse_projections; unfused until it runs again", _name(self))
             self.fused_input = fused = None  # drop the stale copy: its storage is no longer the parameters'
-        if fused is None or (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
-            return None
-        return fused
+        if fused is not None and not (torch.is_grad_enabled() and any(li.weight.requires_grad for li in linears)):
+            return linear(x, fused.weight, fused.bias, silu_cols=silu_cols)[:, : fused.width]  # [T, Σ out]
+        weight, bias, width = _concatenated(linears, detach=False)  # [Σ out + pad, in], [Σ out + pad]
+        return linear(x, weight, bias, silu_cols=silu_cols)[:, :width]  # [T, Σ out]
 
     def fuse_input_projections(self) -> None:
         """Concatenate the group's weights (and biases) into one tensor, zero rows after them up to a multiple of

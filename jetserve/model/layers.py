@@ -8,7 +8,6 @@ from torch import nn
 from jetserve.model.fusion import InputProjections
 from jetserve.ops.linear import gated_norm_linear, linear, swiglu_linear
 from jetserve.ops.linear.reference import AddNorm
-from jetserve.ops.mlp import swiglu_mlp
 from jetserve.ops.norm import rms_norm
 
 # A producer's output: its tensor, or with `add_norm` the next RMSNorm's pair (normed, output + residual).
@@ -68,11 +67,5 @@ class MLP(InputProjections, nn.Module):
         return self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> Output:
-        """x [T, hidden] → down(silu(gate) * up) [T, hidden] (with `add_norm`, the next RMSNorm's pair): the whole MLP
-        as one op (`ops.mlp`) over the fused gate|up weight, or — unfused, or under tensor parallelism, whose down
-        projection sums over the ranks — the gate|up GEMM then the SwiGLU down GEMM."""
-        fused = self.current_fused_input()
-        if fused is not None and type(self.down_proj) is Linear:
-            return swiglu_mlp(x, fused.weight, self.down_proj.weight, add_norm=add_norm)  # [T, hidden]
         gate_up = self.project(x)  # [T, 2I]
         return self.down_proj.forward_swiglu(gate_up, add_norm)  # [T, hidden]: down(silu(gate) * up)

@@ -75,7 +75,7 @@ def test_linear_add_norm_matches_linear_then_rms_norm(kernels, dtype, tiling, nu
     want = ref.linear(x, weight, bias, add_norm=add)
     for _ in range(2):  # again: the ticket counter is back to 0 after a launch
         assert_pair(kernels.linear(x, weight, bias, tiling=t, add_norm=add), want)
-    assert int(kernels.ticket_counter(x.device)) == 0
+    assert int(kernels._ticket(x.device)) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

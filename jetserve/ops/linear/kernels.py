@@ -160,14 +160,14 @@ def _linear_kernel(
         if HAS_SILU:
             b_y = tl.where(o_n[None, :] < silu_cols, b_y * tl.sigmoid(b_y), b_y)
         if ADD_NORM:
-            add_norm_epilogue(b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M,
+            _add_norm_epilogue(b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M,
                                N, BLOCK_ROW, BLOCK_P)  # fmt: skip
         else:
             tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
-def add_norm_epilogue(
+def _add_norm_epilogue(
     b_y, residual, stride_rm, h, sumsq, ticket, out_w, out_eps, y, o_m, o_n, m_m, m_y, M, N,
     BLOCK_ROW: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
@@ -547,7 +547,7 @@ def _launch(
     if add_in_gemm:
         residual, out_w, out_eps, h = add
         sumsq = torch.empty(num_rows, programs_n, dtype=torch.float32, device=x.device)  # [M, programs along N]
-        ticket = ticket_counter(x.device)
+        ticket = _ticket(x.device)
     else:
         residual, out_w, out_eps, h, sumsq, ticket = y, y, 0.0, y, partial, y
     pdl = pdl_launch(x)
@@ -620,7 +620,7 @@ def _launch(
 
 
 @functools.cache
-def ticket_counter(device: torch.device) -> torch.Tensor:
+def _ticket(device: torch.device) -> torch.Tensor:
     """The add-norm epilogue's ticket counter on `device`: [1] int32, allocated (zeroed) once, eagerly — a first use
     inside a CUDA graph capture would allocate it in the graph's pool — and put back to 0 by every launch that uses
     it. Launches on one stream run one after another, so they share it."""

@@ -6,7 +6,8 @@ the kernels that take the most GPU time with their calls per step. One JSON line
 With `--draft random`, the steps are speculative (a random EAGLE-3 draft, adaptive speculation off so every step
 verifies, every draft forced wrong: the verify step's overhead, kernel by kernel).
 Usage: python bench/profile_decode.py [--config 2b] [--batch-sizes 1,64] [--input-len 1024] [--steps 20]
-       [--max-num-seqs N] [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7]
+       [--max-num-seqs N] [--cuda-graph-max-batch-size B]
+       [--draft random --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7]
 """
 
 from __future__ import annotations
@@ -172,6 +173,10 @@ def main() -> None:
         help="the engine's max_num_seqs (default: the largest batch size); a server's is its own, often larger",
     )  # fmt: skip
     p.add_argument(
+        "--cuda-graph-max-batch-size", type=int, default=None,
+        help="the largest decode graph captured (default: max_num_seqs); 1 captures the batch-1 graph alone",
+    )  # fmt: skip
+    p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="decode steps launched ahead (the engine's default; steps launched ahead skip the scheduler); the "
         "phase breakdown synchronises at every phase boundary, so its phases add up to a step without overlap",
@@ -193,7 +198,8 @@ def main() -> None:
                     spec_num_draft_tokens=args.spec_num_draft_tokens, spec_adaptive=False)  # fmt: skip
     max_num_seqs = max(args.max_num_seqs, *sizes)
     config = EngineConfig(device="cuda", max_num_seqs=max_num_seqs, max_model_len=args.input_len + 4 * args.steps + 256,
-                          overlap_scheduling=args.overlap_scheduling, **spec)  # fmt: skip
+                          overlap_scheduling=args.overlap_scheduling,
+                          cuda_graph_max_batch_size=args.cuda_graph_max_batch_size, **spec)  # fmt: skip
     forced = "wrong" if args.draft else None
     engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance=forced)
     bandwidth = measure_copy_bandwidth(device)

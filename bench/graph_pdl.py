@@ -2,7 +2,7 @@
 RMSNorm kernels (`jetserve.ops.norm`, one 2B row) in graph A, replayed back to back; then graph B (the same chain on 2
 rows) captured, A again; B dropped, A again; a third graph captured, A again. Run it with JETSERVE_PDL=1 and =0.
 
-Why (docs/performance.md, session 30): the 2B's batch-1 decode graph replays in 1.524-1.528 ms when it is the only
+Why (docs/performance.md, session 30): the 2B's batch-1 decode graph replays in 1.524-1.530 ms when it is the only
 graph captured and 1.584-1.590 ms once any second decode graph is (PDL off: 1.651-1.656 either way). This chain did
 not show it with PDL on (A 1.060 µs a kernel before and after B); with PDL off A went 1.327 → 1.505 µs a kernel.
 Usage: python bench/graph_pdl.py [--kernels 200] [--hidden 1536]

@@ -4,7 +4,8 @@ rows) captured, A again; B dropped, A again; a third graph captured, A again. Ru
 
 Why (docs/performance.md, session 30): the 2B's batch-1 decode graph replays in 1.524-1.530 ms when it is the only
 graph captured and 1.584-1.590 ms once any second decode graph is (PDL off: 1.651-1.656 either way). This chain did
-not show it with PDL on (A 1.060 µs a kernel before and after B); with PDL off A went 1.327 → 1.505 µs a kernel.
+not show it with PDL on (A 1.060 µs a kernel before and after B); with PDL off A went 1.327 → 1.505 µs a kernel
+(measured with one warm-up before each capture; the script now captures as the engine does, with two).
 Usage: python bench/graph_pdl.py [--kernels 200] [--hidden 1536]
 """
 
@@ -18,12 +19,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jetserve.engine.cuda_graph import _capture  # noqa: E402
 from jetserve.ops.backend import set_backend  # noqa: E402
 from jetserve.ops.norm import rms_norm  # noqa: E402
 
 
 def capture(rows: int, hidden: int, weight: torch.Tensor, num_kernels: int) -> torch.cuda.CUDAGraph:
-    """The chain on `rows` rows, warmed up on a side stream, then captured."""
+    """The chain on `rows` rows, warmed up on a side stream, then captured (in a memory pool of its own)."""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
 
     def chain() -> None:
@@ -31,15 +33,9 @@ def capture(rows: int, hidden: int, weight: torch.Tensor, num_kernels: int) -> t
         for _ in range(num_kernels):
             y = rms_norm(y, weight, 1e-6)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    return graph
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    _capture("chain", graphs, None, chain)  # as the engine captures its decode graphs: two warm-ups, then the capture
+    return graphs["chain"]
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, num_kernels: int, reps: int = 200) -> str:

@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jetserve.engine.bench_offline import measure_copy_bandwidth  # noqa: E402
 from jetserve.engine.cuda_graph import _capture  # noqa: E402
 from jetserve.ops.backend import set_backend  # noqa: E402
 from jetserve.ops.norm import rms_norm  # noqa: E402
@@ -39,7 +40,7 @@ def capture(rows: int, hidden: int, weight: torch.Tensor, num_kernels: int) -> t
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, num_kernels: int, reps: int = 200) -> str:
-    """Three medians' worth of back-to-back replays: µs a kernel, each."""
+    """Three timings of `reps` back-to-back replays: µs a kernel, each."""
     graph.replay()
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +63,11 @@ def main() -> None:
     set_backend("triton")
     n = args.kernels
     weight = torch.randn(args.hidden, device="cuda", dtype=torch.bfloat16)
-    print(f"JETSERVE_PDL={os.environ.get('JETSERVE_PDL', '1')}, {n} kernels a graph")
+    copy_bw = measure_copy_bandwidth(torch.device("cuda"))
+    kernel_bytes = 3 * args.hidden * 2  # a row of x and the weight read, a row of y written (bf16)
+    print(f"JETSERVE_PDL={os.environ.get('JETSERVE_PDL', '1')}, {n} kernels a graph; roofline "
+          f"{kernel_bytes / copy_bw * 1e6:.4f} µs a kernel ({kernel_bytes} B at the {copy_bw / 1e9:.0f} GB/s copy "
+          "bandwidth measured here: the times below are launch latency, not bytes)")  # fmt: skip
     a = capture(1, args.hidden, weight, n)
     print(f"A alone:          {replay_us(a, n)} µs a kernel")
     b = capture(2, args.hidden, weight, n)

@@ -62,3 +62,13 @@ def split_norm() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_SPLIT_NORM: {value!r} is not 0 or 1")
     return value == "1"
+
+
+def narrow_gemm() -> bool:
+    """A narrow projection (N < `ops.linear.WIDE_MIN_N`: o_proj, down) in the plain mode takes the Triton skinny GEMM
+    up to `ops.linear.NARROW_MAX_ROWS` rows, its next RMSNorm in the K split's sum launch, where cuBLAS then the norm
+    op ran past `GEMV_MAX_ROWS` (session 31): on by default; JETSERVE_NARROW_GEMM=0 turns it off."""
+    value = os.environ.get("JETSERVE_NARROW_GEMM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JETSERVE_NARROW_GEMM: {value!r} is not 0 or 1")
+    return value == "1"

@@ -10,7 +10,7 @@ import torch
 
 from jetserve import envs
 from jetserve.ops import backend
-from jetserve.ops.linear import GEMV_MAX_ROWS, logits_linear
+from jetserve.ops.linear import GEMV_MAX_ROWS, NARROW_MAX_ROWS, logits_linear
 from jetserve.ops.linear import linear as dispatched_linear
 from jetserve.ops.linear import reference as ref
 
@@ -179,7 +179,7 @@ def test_silu_columns_matches_torch_silu_in_place(kernels, dtype, num_rows, n, c
 def test_dispatched_silu_cols_past_the_triton_rows(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the Triton GEMM's rows the public op runs the reference GEMM, then the SiLU launch: the reference's
     result, with the launch taken on the Triton backend and not on the reference backend."""
-    num_rows = GEMV_MAX_ROWS + 3
+    num_rows = NARROW_MAX_ROWS + 3
     x = randn(num_rows, 40, seed=70).to(DEVICE)
     weight = randn(300, 40, seed=71, scale=40**-0.5).to(DEVICE)
     want = ref.linear(x, weight, silu_cols=130)
@@ -388,7 +388,8 @@ def test_fit_pipeline_keeps_the_stages_in_shared_memory() -> None:
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton for 1..GEMV_MAX_ROWS rows when the backend allows it, F.linear otherwise."""
+    """Triton for 1..NARROW_MAX_ROWS rows of a narrow weight in the plain mode when the backend allows it, F.linear
+    otherwise."""
     from jetserve.ops.linear import kernels as module
 
     calls = []
@@ -399,10 +400,10 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         interpreted = envs.triton_interpret()
         dispatched_linear(randn(1, 8), weight)
-        dispatched_linear(randn(GEMV_MAX_ROWS, 8), weight)
-        dispatched_linear(randn(GEMV_MAX_ROWS + 1, 8), weight)  # too many rows: F.linear
+        dispatched_linear(randn(NARROW_MAX_ROWS, 8), weight)
+        dispatched_linear(randn(NARROW_MAX_ROWS + 1, 8), weight)  # too many rows: F.linear
         dispatched_linear(randn(2, 8, dtype=torch.float64), weight.double())  # no Triton variant for float64
-        assert calls == ([(1, 8), (GEMV_MAX_ROWS, 8)] if interpreted or DEVICE == "cuda" else [])
+        assert calls == ([(1, 8), (NARROW_MAX_ROWS, 8)] if interpreted or DEVICE == "cuda" else [])
         calls.clear()
         trainable = weight.clone().requires_grad_(True)
         dispatched_linear(randn(1, 8), trainable).sum().backward()  # autograd needs the product: F.linear
@@ -420,7 +421,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_dispatch_of_wide_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights of WIDE_MIN_N rows or more take the Triton kernel up to WIDE_MAX_ROWS rows; narrower ones up to
-    GEMV_MAX_ROWS."""
+    NARROW_MAX_ROWS in the plain mode, up to GEMV_MAX_ROWS with JETSERVE_NARROW_GEMM=0."""
     from jetserve.ops import linear as ops_linear
     from jetserve.ops.linear import kernels as module
 
@@ -432,12 +433,53 @@ def test_dispatch_of_wide_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         dispatched_linear(randn(ops_linear.WIDE_MAX_ROWS, 8), wide)
         dispatched_linear(randn(ops_linear.WIDE_MAX_ROWS + 1, 8), wide)  # too many rows even for a wide weight
-        dispatched_linear(randn(GEMV_MAX_ROWS + 1, 8), narrow)
+        dispatched_linear(randn(NARROW_MAX_ROWS + 1, 8), narrow)
+        dispatched_linear(randn(NARROW_MAX_ROWS, 8), narrow)
+        monkeypatch.setenv("JETSERVE_NARROW_GEMM", "0")
+        dispatched_linear(randn(GEMV_MAX_ROWS + 1, 8), narrow)  # off: cuBLAS past GEMV_MAX_ROWS
         dispatched_linear(randn(GEMV_MAX_ROWS, 8), narrow)
         triton_runs = envs.triton_interpret() or DEVICE == "cuda"
-        assert calls == ([(ops_linear.WIDE_MAX_ROWS, 8), (GEMV_MAX_ROWS, 8)] if triton_runs else [])
+        want = [(ops_linear.WIDE_MAX_ROWS, 8), (NARROW_MAX_ROWS, 8), (GEMV_MAX_ROWS, 8)]
+        assert calls == (want if triton_runs else [])
     finally:
         backend.set_backend(None)
+
+
+def test_narrow_gemm_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JETSERVE_NARROW_GEMM: on by default, 0 off, anything else refused."""
+    monkeypatch.delenv("JETSERVE_NARROW_GEMM", raising=False)
+    assert envs.narrow_gemm()
+    monkeypatch.setenv("JETSERVE_NARROW_GEMM", "0")
+    assert not envs.narrow_gemm()
+    monkeypatch.setenv("JETSERVE_NARROW_GEMM", "yes")
+    with pytest.raises(ValueError, match="JETSERVE_NARROW_GEMM"):
+        envs.narrow_gemm()
+
+
+@pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton backend runs here in the interpreter")
+def test_fused_modes_past_gemv_rows_run_their_prologue_then_the_plain_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past GEMV_MAX_ROWS a narrow weight's SwiGLU and gated-norm products run their activation / norm op, then the
+    plain Triton GEMM (up to NARROW_MAX_ROWS rows), never the fused kernels; the reference's results either way."""
+    from jetserve.ops.linear import gated_norm_linear, kernels, swiglu_linear
+
+    plain, fused = [], []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, b=None, **kw: plain.append(x.shape[0]) or real(x, w, b, **kw))
+    monkeypatch.setattr(kernels, "swiglu_linear", lambda *a, **kw: fused.append("swiglu"))
+    monkeypatch.setattr(kernels, "gated_norm_linear", lambda *a, **kw: fused.append("gated norm"))
+    num_rows, n, k = GEMV_MAX_ROWS + 5, 24, 64
+    weight = randn(n, k, seed=63, scale=k**-0.5)
+    gate_up = randn(num_rows, 2 * k, seed=64)
+    o, gate, head_w = randn(num_rows, k, seed=65), randn(num_rows, k, seed=66), randn(16, seed=67)
+    backend.set_backend("triton")
+    try:
+        want_swiglu = ref.swiglu_linear(gate_up, weight)
+        want_norm = ref.gated_norm_linear(o, gate, head_w, 1e-5, weight)
+        torch.testing.assert_close(swiglu_linear(gate_up, weight), want_swiglu, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gated_norm_linear(o, gate, head_w, 1e-5, weight), want_norm, rtol=1e-5, atol=1e-5)
+    finally:
+        backend.set_backend(None)
+    assert plain == [num_rows, num_rows] and fused == []
 
 
 def test_model_projections_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from jetserve import envs
 from jetserve.ops import backend
+from jetserve.ops.linear import GEMV_MAX_ROWS, NARROW_MAX_ROWS
 from jetserve.ops.linear import gated_norm_linear as dispatched_gated_norm_linear
 from jetserve.ops.linear import linear as dispatched_linear
 from jetserve.ops.linear import reference as ref
@@ -261,7 +262,7 @@ def test_dispatch_takes_the_batched_split_past_the_triton_rows(
     calls = []
     real = kernels.batched_split_linear
     monkeypatch.setattr(kernels, "batched_split_linear", lambda *a: calls.append(a[-1]) or real(*a))
-    num_rows, n, k = 20, 16, 64
+    num_rows, n, k = NARROW_MAX_ROWS + 4, 16, 64  # past every Triton row count of a narrow weight
     x = randn(num_rows, k, dtype=torch.float32, seed=60)
     weight = randn(n, k, dtype=torch.float32, seed=61, scale=k**-0.5)
     add = add_norm_args(num_rows, n, torch.float32, seed=62)
@@ -280,6 +281,33 @@ def test_dispatch_takes_the_batched_split_past_the_triton_rows(
         backend.set_backend(None)
     assert calls == ([] if flag == "0" else [kernels.batched_splits(num_rows, k)] * 3)
     assert flag == "0" or calls[0] > 1
+
+
+@pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton backend runs here in the interpreter")
+@pytest.mark.parametrize("k", [64, 2048])
+def test_narrow_rows_past_gemv_take_the_norm_in_the_split_sum(kernels, monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    """A narrow weight from GEMV_MAX_ROWS + 1 to NARROW_MAX_ROWS rows takes the plain Triton GEMM; where its tiling
+    splits K (K = 2048 here) the add-norm goes into the launch (its sum normalises: no norm op), otherwise the norm
+    op runs after it; the pair is the reference's either way (NaN-poisoned outputs and partials)."""
+    import jetserve.ops.linear as public
+
+    num_rows, n = GEMV_MAX_ROWS + 4, 16
+    handed, norms = [], []
+    real_linear, real_norm = kernels.linear, public.rms_norm
+    monkeypatch.setattr(kernels, "linear", lambda *a, add_norm=None, **kw: handed.append(add_norm is not None)
+                        or real_linear(*a, add_norm=add_norm, **kw))  # fmt: skip
+    monkeypatch.setattr(public, "rms_norm", lambda *a, **kw: norms.append(1) or real_norm(*a, **kw))
+    x = randn(num_rows, k, dtype=torch.float32, seed=70)
+    weight = randn(n, k, dtype=torch.float32, seed=71, scale=k**-0.5)
+    add = add_norm_args(num_rows, n, torch.float32, seed=72)
+    splits = kernels.choose_tiling(num_rows, n, k, kernels.sm_count(x.device)).num_splits
+    assert (splits > 1) == (k == 2048)
+    backend.set_backend("triton")
+    try:
+        assert_pair(dispatched_linear(x, weight, add_norm=add), ref.linear(x, weight, add_norm=add))
+    finally:
+        backend.set_backend(None)
+    assert handed == [splits > 1] and norms == ([] if splits > 1 else [1])
 
 
 def test_split_norm_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,13 @@ GEMV_MAX_ROWS = 16  # rows of x up to which the Triton kernel runs for any weigh
 WIDE_MAX_ROWS = 64  # ... and up to which it runs for a weight of at least WIDE_MIN_N output features
 WIDE_MIN_N = 4096  # session 20's sweep (2B, weights from HBM): at 32 and 64 rows the Triton tiles beat cuBLAS for the
 # fused JetBlock input (8856 x 1536) and gate|up (17920 x 1536) projections, and lose to it for N = 1536 (o_proj, down)
+# in the fused modes (the gated-norm and SwiGLU prologues)
+NARROW_MAX_ROWS = 32  # ... and up to which a narrower weight takes it in the plain mode (JETSERVE_NARROW_GEMM), a
+# K split's sum launch taking the next RMSNorm: session 31's probe (H200, 2B, bf16, weights from HBM, the public op with
+# the add-norm, µs, cuBLAS then the norm op → Triton) at 17 / 32 / 64 rows: o_proj 1536 x 3072 10.07 → 7.93, 9.75 →
+# 8.06, 10.01 → 9.41; down 1536 x 8960 14.15 → 12.76, 14.27 → 12.94, 14.59 → 15.87 (slower past 32 rows); the
+# attention's o 1536 x 1536 8.0 → 7.3 at every count; its q|k|v 2048 x 1536 without a norm 5.5 → 5.2-5.5 up to 32, 5.6
+# → 6.3 at 48 and 64
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -33,13 +40,15 @@ def linear(
     residual)`'s pair (normed, y + residual): in the Triton launch's epilogue with JETSERVE_ADD_NORM_EPILOGUE=1, else
     the norm op after the GEMM. See `reference.linear`.
 
-    Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims), the dtype is
-    fp16/bf16/fp32 and autograd does not need the product; else `F.linear` (then `rms_norm`).
+    Triton when the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS (M = the product of x's leading dims; up to
+    WIDE_MAX_ROWS for a weight of ≥ WIDE_MIN_N rows, NARROW_MAX_ROWS for a narrower one), the dtype is fp16/bf16/fp32
+    and autograd does not need the product; else `F.linear` (then `rms_norm`). Past GEMV_MAX_ROWS a launch that
+    splits K runs `add_norm` in its sum's launch (`_narrow_add_norm`).
     """
-    if _takes_triton(x, weight):
+    if _takes_triton(x, weight, plain=True):
         from jetserve.ops.linear import kernels
 
-        fused, after = _split_add_norm(add_norm)
+        fused, after = _narrow_add_norm(x, weight, add_norm) or _split_add_norm(add_norm)
         return _then(kernels.linear(x, weight, bias, silu_cols=silu_cols, add_norm=fused), after)
     if add_norm is not None and not silu_cols and (splits := _batched_splits(x, weight)):
         from jetserve.ops.linear import kernels
@@ -97,17 +106,35 @@ def _split_add_norm(add_norm: AddNorm | None) -> tuple[AddNorm | None, AddNorm |
     return (add_norm, None) if envs.add_norm_epilogue() else (None, add_norm)
 
 
+def _narrow_add_norm(x: torch.Tensor, weight: torch.Tensor, add_norm: AddNorm | None) -> tuple[AddNorm, None] | None:
+    """(add_norm, None) where the Triton launch of a product past GEMV_MAX_ROWS rows splits K: its sum's launch holds
+    whole rows and normalises them (the norm op's launch saved, as `batched_split_linear`'s); else None (the norm op
+    after it: an unsplit launch's ticket epilogue would leave one program normalising every row)."""
+    num_rows = x.numel() // x.shape[-1]
+    if add_norm is None or num_rows <= GEMV_MAX_ROWS:
+        return None
+    from jetserve.ops.backend import sm_count
+    from jetserve.ops.linear import kernels
+
+    n, k = weight.shape
+    return (add_norm, None) if kernels.choose_tiling(num_rows, n, k, sm_count(x.device)).num_splits > 1 else None
+
+
 def _then(y, add_norm: AddNorm | None):
     """y as it is (a tensor, or the epilogue's pair), or `rms_norm`'s pair after it (the op on its own backend)."""
     return reference.with_add_norm(y, add_norm, rms_norm)
 
 
-def _takes_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _takes_triton(x: torch.Tensor, weight: torch.Tensor, plain: bool = False) -> bool:
     """The Triton kernel's conditions: the backend allows it, 1 ≤ M ≤ GEMV_MAX_ROWS rows (M = the product of x's
-    leading dims; ≤ WIDE_MAX_ROWS for a weight of ≥ WIDE_MIN_N rows), a dtype it takes, and no autograd (the kernel
+    leading dims; ≤ WIDE_MAX_ROWS for a weight of ≥ WIDE_MIN_N rows, and in the `plain` mode — no prologue — ≤
+    NARROW_MAX_ROWS for a narrower one unless JETSERVE_NARROW_GEMM=0), a dtype it takes, and no autograd (the kernel
     has no backward)."""
     num_rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
-    max_rows = WIDE_MAX_ROWS if weight.dim() == 2 and weight.shape[0] >= WIDE_MIN_N else GEMV_MAX_ROWS
+    if weight.dim() == 2 and weight.shape[0] >= WIDE_MIN_N:
+        max_rows = WIDE_MAX_ROWS
+    else:
+        max_rows = NARROW_MAX_ROWS if plain and envs.narrow_gemm() else GEMV_MAX_ROWS
     return use_triton(x) and not _needs_grad(x, weight) and 1 <= num_rows <= max_rows and x.dtype in _TRITON_DTYPES
 
 
@@ -165,6 +192,7 @@ def _has_fp32_out_gemm(device: torch.device, into: bool = False) -> bool:
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "NARROW_MAX_ROWS",
     "WIDE_MAX_ROWS",
     "WIDE_MIN_N",
     "gated_norm_linear",

@@ -9,9 +9,10 @@ stream, then the capture); torch-add-plain (the same kernel run once on the curr
 torch-add-relaxed (one warm-up on a side stream, captured with capture_error_mode="relaxed"); norm-pdl / norm-no-pdl
 (one Triton RMSNorm launched with / without PDL, through `_capture`); cublas (one GEMM through `_capture`);
 decode-1 (the batch-1 step captured a second time through `_capture`).
-Session 31 (H200): torch-add, norm-no-pdl, cublas and decode-1 took A from 1.521-1.527 to 1.579-1.587 ms; none,
+Session 31 (H200): torch-add, norm-no-pdl, cublas and decode-1 took A from 1.521-1.527 to 1.578-1.584 ms; none,
 norm-pdl, torch-add-plain and torch-add-relaxed left it. An engine capturing every bucket relaxed, or warming up on
-the current stream or on one shared side stream, kept the slow figure (1.576-1.583 ms).
+the current stream or on one shared side stream, kept the slow figure (1.576-1.583 ms). (Those figures came from
+`.dev` probes this script was written from after the session's GPU time was spent: not yet run in this form.)
 Usage: python bench/graph_trigger.py VARIANT
 """
 

@@ -5,7 +5,8 @@ the attention's o with its norm, its q|k|v and the EAGLE-3 draft's fc without. 2
 through copies past 4x the L2 (from HBM, as in a decode step). Per case and row count: µs per call for each path
 (median of CUDA-graph replays), its share of the roofline (the call's bytes — weight, x, y, and the residual, h and
 normed rows with a norm — over the copy bandwidth measured in the same run) and the two paths' largest difference.
-One JSON line per case with --json FILE.
+One JSON line per case with --json FILE. Session 31's figures (docs/kernels.md, linear) came from this script's first
+form, a `.dev` probe; this form has run in its smoke mode only (the session's GPU time was spent).
 Usage: python bench/narrow_gemm.py [--models 2b] [--rows 17,24,32,48,64] [--json FILE]
        python bench/narrow_gemm.py --smoke   (the CPU, the Triton interpreter, the smoke shapes)
 """

@@ -205,17 +205,20 @@ def test_output_norm_in_the_decode_launch_equals_the_reference_model(tiny_checkp
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
 
 
-@pytest.mark.parametrize("flag", ["0", "1"])
-def test_add_norm_epilogue_in_the_model_equals_the_reference_model(tiny_checkpoint, monkeypatch, flag):
+@pytest.mark.parametrize(("flag", "narrow"), [("0", "1"), ("1", "0"), ("1", "1")])
+def test_add_norm_epilogue_in_the_model_equals_the_reference_model(tiny_checkpoint, monkeypatch, flag, narrow):
     """JETSERVE_ADD_NORM_EPILOGUE=1: every residual add and RMSNorm after layer 0's input norm runs in the epilogue of
     the Triton GEMM that produces its input (o_proj, down) in steps of up to GEMV_MAX_ROWS rows, so the norm op runs
-    once in each of them (counted); the batched prefill (25 rows, cuBLAS) keeps every norm as an op. Off, every norm
-    is an op. Either way the logits equal the reference ops'."""
+    once in each of them (counted); the batched prefill (25 rows) keeps every norm as an op on cuBLAS
+    (JETSERVE_NARROW_GEMM=0) and hands them to the Triton GEMM too with it on (up to NARROW_MAX_ROWS rows; the tiny
+    shapes do not split K, so the epilogue takes them). Off, every norm is an op. Either way the logits equal the
+    reference ops'."""
     if not envs.triton_interpret():
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
     from jetserve.ops.norm import kernels as norm_kernels
 
     monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", flag)
+    monkeypatch.setenv("JETSERVE_NARROW_GEMM", narrow)
     model = load_model(tiny_checkpoint, dtype="float32")
     try:
         set_backend("reference")
@@ -229,7 +232,8 @@ def test_add_norm_epilogue_in_the_model_equals_the_reference_model(tiny_checkpoi
         set_backend(None)
     norms = 2 * len(model.model.layers) + 1  # per forward: two per layer and the final norm
     small_steps = len(want) - 1  # three decodes, the verify (12 rows) and the decode after the commit
-    assert len(calls) == norms + small_steps * (1 if flag == "1" else norms)
+    prefill_norms = 1 if flag == "1" and narrow == "1" else norms
+    assert len(calls) == prefill_norms + small_steps * (1 if flag == "1" else norms)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
 

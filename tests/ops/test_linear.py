@@ -445,17 +445,6 @@ def test_dispatch_of_wide_weights(monkeypatch: pytest.MonkeyPatch) -> None:
         backend.set_backend(None)
 
 
-def test_narrow_gemm_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """JETSERVE_NARROW_GEMM: on by default, 0 off, anything else refused."""
-    monkeypatch.delenv("JETSERVE_NARROW_GEMM", raising=False)
-    assert envs.narrow_gemm()
-    monkeypatch.setenv("JETSERVE_NARROW_GEMM", "0")
-    assert not envs.narrow_gemm()
-    monkeypatch.setenv("JETSERVE_NARROW_GEMM", "yes")
-    with pytest.raises(ValueError, match="JETSERVE_NARROW_GEMM"):
-        envs.narrow_gemm()
-
-
 @pytest.mark.skipif(not envs.triton_interpret(), reason="the Triton backend runs here in the interpreter")
 def test_fused_modes_past_gemv_rows_run_their_prologue_then_the_plain_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past GEMV_MAX_ROWS a narrow weight's SwiGLU and gated-norm products run their activation / norm op, then the

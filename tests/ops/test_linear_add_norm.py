@@ -310,12 +310,14 @@ def test_narrow_rows_past_gemv_take_the_norm_in_the_split_sum(kernels, monkeypat
     assert handed == [splits > 1] and norms == ([] if splits > 1 else [1])
 
 
-def test_split_norm_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """JETSERVE_SPLIT_NORM: on by default, 0 off, anything else refused."""
-    monkeypatch.delenv("JETSERVE_SPLIT_NORM", raising=False)
-    assert envs.split_norm()
-    monkeypatch.setenv("JETSERVE_SPLIT_NORM", "0")
-    assert not envs.split_norm()
-    monkeypatch.setenv("JETSERVE_SPLIT_NORM", "no")
-    with pytest.raises(ValueError, match="JETSERVE_SPLIT_NORM"):
-        envs.split_norm()
+@pytest.mark.parametrize(("name", "read"), [("JETSERVE_SPLIT_NORM", envs.split_norm),
+                                            ("JETSERVE_NARROW_GEMM", envs.narrow_gemm)])  # fmt: skip
+def test_linear_flags_on_by_default(monkeypatch: pytest.MonkeyPatch, name: str, read) -> None:
+    """JETSERVE_SPLIT_NORM and JETSERVE_NARROW_GEMM: on by default, 0 off, anything else refused."""
+    monkeypatch.delenv(name, raising=False)
+    assert read()
+    monkeypatch.setenv(name, "0")
+    assert not read()
+    monkeypatch.setenv(name, "no")
+    with pytest.raises(ValueError, match=name):
+        read()

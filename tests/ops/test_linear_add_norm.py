@@ -171,17 +171,21 @@ def test_add_norm_2b_shapes_bf16_and_in_a_graph(kernels, mode, num_rows) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [128, 200, 256])
+@pytest.mark.parametrize("num_rows", [17, 32, 128, 200, 256])
 @pytest.mark.parametrize("mode", ["down", "o_proj"])
-def test_batched_split_2b_shapes_bf16_and_in_a_graph(mode, num_rows) -> None:
-    """Past the Triton GEMM's rows, the public ops at the 2B's producers in bf16 take the batched split (the rule's
-    count, cuBLAS's fp32-out batched GEMM), eagerly and replayed from a CUDA graph with new residuals."""
+def test_split_sum_norm_2b_shapes_bf16_and_in_a_graph(mode, num_rows) -> None:
+    """Past GEMV_MAX_ROWS the public ops at the 2B's producers in bf16 hand the next RMSNorm to a K split's sum: the
+    Triton GEMM's up to NARROW_MAX_ROWS rows (its tiling splits K), the batched split from BATCHED_MIN_ROWS (the
+    rule's count, cuBLAS's fp32-out batched GEMM); eagerly and replayed from a CUDA graph with new residuals."""
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
     from jetserve.ops.linear import kernels
 
     dtype, n, k = torch.bfloat16, 1536, 8960 if mode == "down" else 3072
-    assert kernels.batched_splits(num_rows, k) > 1
+    if num_rows <= NARROW_MAX_ROWS:
+        assert kernels.choose_tiling(num_rows, n, k, kernels.sm_count(torch.device(DEVICE))).num_splits > 1
+    else:
+        assert kernels.batched_splits(num_rows, k) > 1
     weight = randn(n, k, dtype=dtype, seed=70, scale=k**-0.5)
     x = randn(num_rows, 2 * k if mode == "down" else k, dtype=dtype, seed=71)
     op, reference = (dispatched_swiglu_linear, ref.swiglu_linear) if mode == "down" else (dispatched_linear, ref.linear)

@@ -3,10 +3,11 @@ skinny GEMM up to NARROW_MAX_ROWS rows, a K split's sum launch taking the next R
 norm op), in the model's calls: the JetBlock's o_proj and the MLP's down with the residual add and the next RMSNorm,
 the attention's o with its norm, its q|k|v and the EAGLE-3 draft's fc without. 2B/4B shapes, bf16, weights rotated
 through copies past 4x the L2 (from HBM, as in a decode step). Per case and row count: µs per call for each path
-(median of CUDA-graph replays), its share of the roofline (the call's bytes — weight, x, y, and the residual, h and
-normed rows with a norm — over the copy bandwidth measured in the same run) and the two paths' largest difference.
-One JSON line per case with --json FILE. Session 31's figures (docs/kernels.md, linear) came from this script's first
-form, a `.dev` probe; this form has run in its smoke mode only (the session's GPU time was spent).
+(median of CUDA-graph replays), its share of the roofline (the call's bytes — weight, x and y, or with a norm the
+residual read and h and the normed rows written in y's place — over the copy bandwidth measured in the same run) and
+the two paths' largest difference. One JSON line per case with --json FILE. Session 31's figures (docs/kernels.md,
+linear) came from this script's first form, a `.dev` probe; this form has run in its smoke mode only (the session's
+GPU time was spent).
 Usage: python bench/narrow_gemm.py [--models 2b] [--rows 17,24,32,48,64] [--json FILE]
        python bench/narrow_gemm.py --smoke   (the CPU, the Triton interpreter, the smoke shapes)
 """
@@ -68,7 +69,7 @@ def main() -> None:
                     x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
                     residual = torch.randn(rows, n, device=device, generator=gen).to(dtype)
                     add = (residual, norm_w, 1e-6) if norm else None
-                    nbytes = (n * k + rows * k + rows * n * (4 if norm else 1)) * dtype.itemsize
+                    nbytes = (n * k + rows * k + rows * n * (3 if norm else 1)) * dtype.itemsize
                     roof_us = nbytes / copy_bw * 1e6
                     us, got = {}, {}
                     for flag in ("0", "1"):

@@ -53,6 +53,10 @@ def test_generate_seeded_sampling_and_chat(checkpoint, capsys):
         (["--top-p", "1.5"], "top_p"),
         (["--top-k", "-2"], "top_k"),
         (["--max-model-len", "1"], "max_model_len"),
+        (["--cuda-graph-batch-sizes", "0,4"], "cuda_graph_batch_sizes"),
+        (["--cuda-graph-batch-sizes", "1,x"], "cuda_graph_batch_sizes"),
+        (["--cuda-graph-batch-sizes", "1,300"], "max_num_seqs"),
+        (["--cuda-graph-batch-sizes", "1,8", "--cuda-graph-max-batch-size", "8"], "give one of them"),
     ],
 )
 def test_bad_arguments_give_one_line(checkpoint, capsys, extra, message):

@@ -48,6 +48,11 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
+        "--cuda-graph-batch-sizes", metavar="B,B,...",
+        help="the decode buckets to capture (default: 1, 2, 4, 8, then every 16 up to the largest batch size); three "
+        "or fewer keep a lone graph's speed on an H200 (docs/performance.md, session 32)",
+    )  # fmt: skip
+    p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="launch each plain decode step before reading the previous one's tokens (default: on)",
     )  # fmt: skip
@@ -203,6 +208,7 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
         page_size=args.page_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        cuda_graph_batch_sizes=getattr(args, "cuda_graph_batch_sizes", None),
         overlap_scheduling=args.overlap_scheduling,
         seed=args.seed,
     )

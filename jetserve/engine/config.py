@@ -46,6 +46,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     overlap_scheduling: bool = True  # decode one step ahead: launch step k + 1 before reading step k's tokens
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
+    # Comma-separated decode buckets to capture, e.g. "1,8,32", in place of 1, 2, 4, 8 and every 16 up to the largest:
+    # batches past the largest run eagerly. On an H200 every graph replays 3-4% slower once a process holds four or
+    # more (docs/performance.md, session 32): three buckets or fewer keep the single-graph speed.
+    cuda_graph_batch_sizes: str | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)
 
@@ -66,9 +70,33 @@ class EngineConfig:
         self._check_speculation()
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size: must be ≥ 1, got {self.cuda_graph_max_batch_size}")
+        self._check_graph_batch_sizes()
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be ≥ 1, got {getattr(self, name)}")
+
+    def _check_graph_batch_sizes(self) -> None:
+        if self.cuda_graph_batch_sizes is None:
+            return
+        if self.cuda_graph_max_batch_size is not None:
+            raise ValueError("cuda_graph_batch_sizes: set with cuda_graph_max_batch_size (give one of them)")
+        sizes = self.graph_batch_sizes
+        if sizes[-1] > self.max_num_seqs:
+            raise ValueError(f"cuda_graph_batch_sizes: {sizes[-1]} is past max_num_seqs ({self.max_num_seqs})")
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...] | None:
+        """`cuda_graph_batch_sizes` parsed: sorted, without repeats (None when not given)."""
+        text = self.cuda_graph_batch_sizes
+        if text is None:
+            return None
+        try:
+            sizes = sorted({int(part) for part in text.split(",")})
+        except ValueError:
+            sizes = []
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"cuda_graph_batch_sizes: {text!r} must list positive integers, e.g. 1,8,32")
+        return tuple(sizes)
 
     def _check_speculation(self) -> None:
         spec_fields = ("spec_topk", "spec_steps", "spec_num_draft_tokens", "spec_feature_ring")

@@ -14,6 +14,7 @@ import torch
 from jetserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
+    from jetserve.engine.config import EngineConfig
     from jetserve.engine.model_runner import ModelRunner
     from jetserve.engine.speculative import SpecDecoder
 
@@ -26,6 +27,17 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to `max_batch_size` (which is always a bucket)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size] + list(range(16, max_batch_size, 16))
     return sorted({*sizes, max_batch_size})
+
+
+def capture_batch_sizes(config: EngineConfig, num_slots: int) -> list[int]:
+    """The decode buckets an engine captures: `config.cuda_graph_batch_sizes` when given, else `default_batch_sizes`
+    up to `cuda_graph_max_batch_size` (default max_num_seqs); either way no bucket past the state slots the memory
+    plan found (`num_slots`, slot 0 reserved for padding)."""
+    limit = num_slots - 1
+    sizes = config.graph_batch_sizes
+    if sizes is None:
+        return default_batch_sizes(min(config.cuda_graph_max_batch_size or config.max_num_seqs, limit))
+    return sorted({min(b, limit) for b in sizes})
 
 
 class GraphRunner:
@@ -89,13 +101,12 @@ class GraphRunner:
 
 
 def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:
-    """Warm `step` up twice on a side stream, then capture it into `graphs[graph_key]`; returns the memory pool."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the capture: lazy init, autotuning, workspaces
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
+    """Run `step` once on the current stream (outside the capture: lazy init, workspaces), then capture it into
+    `graphs[graph_key]`; returns the memory pool.
+
+    Not on a side stream: on an H200 (session 32, `bench/graph_trigger.py`) warm-ups on a new side stream slowed every
+    graph of the process by 3-4% from the second graph on, warm-ups on the current stream only from the fourth."""
+    step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         step()

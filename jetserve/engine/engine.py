@@ -12,7 +12,7 @@ import torch
 
 from jetserve.engine.block_manager import BlockManager
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.cuda_graph import default_batch_sizes
+from jetserve.engine.cuda_graph import capture_batch_sizes
 from jetserve.engine.memory_plan import (
     MemoryPlan,
     cache_budget_bytes,
@@ -112,10 +112,10 @@ class LLMEngine:
             verify_planner=self.spec, max_model_len=self.plan.max_model_len,
         )  # fmt: skip
         if device.type == "cuda" and not config.enforce_eager:
-            largest = min(config.cuda_graph_max_batch_size or config.max_num_seqs, self.plan.num_slots - 1)
-            self.runner.capture_graphs(default_batch_sizes(largest))
+            batch_sizes = capture_batch_sizes(config, self.plan.num_slots)
+            self.runner.capture_graphs(batch_sizes)
             if self.spec is not None:
-                self.spec.capture_graphs(default_batch_sizes(largest))
+                self.spec.capture_graphs(batch_sizes)
         self.output_processor = OutputProcessor(tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)

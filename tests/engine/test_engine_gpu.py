@@ -151,6 +151,16 @@ def test_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny_tokeniz
 
 
 @torch.inference_mode()
+def test_named_buckets_replay_equal_eager(tiny_checkpoint, gpu_model, tiny_tokenizer):
+    llm = make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, num_slots=40, max_num_seqs=32, num_pages=1024,
+                   cuda_graph_batch_sizes="8,1,3")  # fmt: skip
+    graphs = llm.engine.runner.graph_runner
+    assert graphs.batch_sizes == [1, 3, 8] and sorted(graphs.graphs) == [1, 3, 8]
+    assert graphs.bucket(2) == 3 and graphs.fits(8) and not graphs.fits(9)  # 9 and more decode eagerly
+    _check_graph_buckets(llm.engine, rel=1e-5)
+
+
+@torch.inference_mode()
 def test_graph_replay_equals_eager_2b_shapes():
     model = random_model("2b", "bfloat16", torch.device("cuda"), seed=0, num_layers=4)
     assert set(model.config.layer_types) == {"jet", "attn", "swa"}

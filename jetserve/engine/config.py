@@ -90,9 +90,10 @@ class EngineConfig:
         text = self.cuda_graph_batch_sizes
         if text is None:
             return None
+        parts = text.split(",") if isinstance(text, str) else text  # from Python, a list of ints also does
         try:
-            sizes = sorted({int(part) for part in text.split(",")})
-        except ValueError:
+            sizes = sorted({int(part) for part in parts})
+        except (TypeError, ValueError):
             sizes = []
         if not sizes or sizes[0] < 1:
             raise ValueError(f"cuda_graph_batch_sizes: {text!r} must list positive integers, e.g. 1,8,32")

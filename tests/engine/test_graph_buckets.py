@@ -26,6 +26,7 @@ def test_named_buckets_sorted_without_repeats_and_within_the_slots():
     assert capture_batch_sizes(config, num_slots=13) == [1, 8, 12]  # the plan found 12 usable slots
     assert capture_batch_sizes(config, num_slots=6) == [1, 5]
     assert EngineConfig().graph_batch_sizes is None
+    assert EngineConfig(cuda_graph_batch_sizes=[4, 1]).graph_batch_sizes == (1, 4)  # LLM(..., [4, 1]) from Python
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,7 @@ def test_named_buckets_sorted_without_repeats_and_within_the_slots():
         ({"cuda_graph_batch_sizes": ""}, "positive integers"),
         ({"cuda_graph_batch_sizes": "1,0"}, "positive integers"),
         ({"cuda_graph_batch_sizes": "1,two"}, "positive integers"),
+        ({"cuda_graph_batch_sizes": [1, None]}, "positive integers"),
         ({"cuda_graph_batch_sizes": "1,64", "max_num_seqs": 32}, "past max_num_seqs"),
         ({"cuda_graph_batch_sizes": "1,8", "cuda_graph_max_batch_size": 8}, "give one of them"),
     ],

@@ -5,7 +5,8 @@ rows) captured, A again; B dropped, A again; a third graph captured, A again. Ru
 Why (docs/performance.md, session 30): the 2B's batch-1 decode graph replays in 1.524-1.530 ms when it is the only
 graph captured and 1.584-1.590 ms once any second decode graph is (PDL off: 1.651-1.656 either way). This chain did
 not show it with PDL on (A 1.060 µs a kernel before and after B); with PDL off A went 1.327 → 1.505 µs a kernel
-(measured with one warm-up before each capture; the script now captures as the engine does, with two).
+(measured with one warm-up before each capture; the script captures through the engine's `_capture`, which since
+session 32 also warms up once, on the current stream).
 Usage: python bench/graph_pdl.py [--kernels 200] [--hidden 1536]
 """
 
@@ -26,7 +27,7 @@ from jetserve.ops.norm import rms_norm  # noqa: E402
 
 
 def capture(rows: int, hidden: int, weight: torch.Tensor, num_kernels: int) -> torch.cuda.CUDAGraph:
-    """The chain on `rows` rows, warmed up on a side stream, then captured (in a memory pool of its own)."""
+    """The chain on `rows` rows, warmed up and captured as the engine captures (in a memory pool of its own)."""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
 
     def chain() -> None:
@@ -35,7 +36,7 @@ def capture(rows: int, hidden: int, weight: torch.Tensor, num_kernels: int) -> t
             y = rms_norm(y, weight, 1e-6)
 
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
-    _capture("chain", graphs, None, chain)  # as the engine captures its decode graphs: two warm-ups, then the capture
+    _capture("chain", graphs, None, chain)  # as the engine captures its decode graphs
     return graphs["chain"]
 
 

@@ -6,11 +6,15 @@ the draft's catch-up on the accepted tokens)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from jetserve import envs
+from jetserve.engine import graph_split
 from jetserve.spec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
 # Speculative steps are captured up to this batch size (a verify step's logits are T_d rows per sequence, and the
 # stochastic acceptance keeps a few [N, T_d, V] tensors: at larger batches they run eagerly).
 SPEC_GRAPH_MAX_BATCH = 64
+logger = logging.getLogger(__name__)
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -41,7 +46,8 @@ def capture_batch_sizes(config: EngineConfig, num_slots: int) -> list[int]:
 
 
 class GraphRunner:
-    """Static input buffers `[B_max]` (token ids, positions, state slots) and one captured graph per bucket.
+    """Static input buffers `[B_max]` (token ids, positions, state slots) and one graph per bucket, all from one
+    stream capture where the driver allows (`_capture_all`).
 
     A batch of N sequences replays the smallest bucket B ≥ N; rows N..B are padding: slot 0, position 0, token 0, so
     they write only the reserved slot 0 and nothing in the K/V caches (`slot_mapping` −1). Logits land in one static
@@ -78,8 +84,8 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first (so smaller graphs reuse the pool's blocks), on padding inputs."""
         self._pad(0)
-        for B in reversed(self.batch_sizes):
-            self.pool = _capture(B, self.graphs, self.pool, lambda B=B: self._step(B))
+        steps = [(B, lambda B=B: self._step(B)) for B in reversed(self.batch_sizes)]
+        self.pool = _capture_all(steps, self.graphs, self.pool)
         torch.cuda.synchronize()
 
     def _pad(self, start: int, end: int | None = None) -> None:
@@ -98,6 +104,25 @@ class GraphRunner:
             self._pad(N, B)
         self.graphs[B].replay()
         return self.logits[:N]
+
+
+def _capture_all(steps: list[tuple[Hashable, Callable[[], None]]], graphs: dict, pool: object) -> object:
+    """Each (key, step) run once on the current stream, then captured into `graphs[key]`: all in one stream capture
+    split per step (`graph_split`: a process's fourth capture slows every graph of it) unless JETSERVE_ONE_CAPTURE=0
+    or the driver cannot, else one capture each (`_capture`). Returns the memory pool."""
+    if envs.one_capture() and graph_split.available():
+        for _, step in steps:
+            step()
+        try:
+            split, pool = graph_split.capture_split(steps, pool)
+        except (RuntimeError, ValueError) as e:
+            logger.warning("%d graphs from one capture failed (%s): capturing each on its own", len(steps), e)
+        else:
+            graphs.update(split)
+            return pool
+    for key, step in steps:
+        pool = _capture(key, graphs, pool, step)
+    return pool
 
 
 def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:

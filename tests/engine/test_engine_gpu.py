@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from jetserve.engine import graph_split
 from jetserve.engine.bench_offline import random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
@@ -146,7 +147,20 @@ def _check_graph_buckets(engine: LLMEngine, rel: float) -> None:
 @torch.inference_mode()
 def test_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny_tokenizer):
     llm = make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, num_slots=40, max_num_seqs=32, num_pages=1024)
-    assert llm.engine.runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16, 32]
+    graphs = llm.engine.runner.graph_runner
+    assert graphs.batch_sizes == [1, 2, 4, 8, 16, 32]
+    # all six from one capture (engine.graph_split), not one capture each
+    assert all(isinstance(g, graph_split.SplitGraph) for g in graphs.graphs.values())
+    assert len({id(g.keep_alive) for g in graphs.graphs.values()}) == 1
+    _check_graph_buckets(llm.engine, rel=1e-5)
+
+
+@torch.inference_mode()
+def test_a_capture_per_bucket_replays_equal_eager(tiny_checkpoint, gpu_model, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("JETSERVE_ONE_CAPTURE", "0")
+    llm = make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, num_slots=40, max_num_seqs=16, num_pages=1024)
+    graphs = llm.engine.runner.graph_runner
+    assert all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs.graphs.values()) and len(graphs.graphs) == 5
     _check_graph_buckets(llm.engine, rel=1e-5)
 
 

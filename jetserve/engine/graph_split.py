@@ -1,0 +1,196 @@
+"""Many CUDA graphs from one stream capture: the steps are captured in turn into one graph, a one-byte memset marker
+after each; each step's exec is then instantiated from a clone of that graph with every other step's nodes (and the
+markers) destroyed. The CUDA driver API is reached through ctypes (`libcuda.so.1`, the library torch itself runs on).
+
+Why: on an H200 (docs/performance.md, session 33) every graph of a process replays 3-4% slower once the process has
+made its fourth stream capture — captures count, not execs: four captured graphs of which one was instantiated slowed
+it; one capture instantiated five times did not. The decode buckets captured one by one (eight at max_num_seqs 64)
+put every engine there: batch 1 1.52 → 1.58 ms, batch 64 3.07 → 3.18 ms. From one capture, both replay at a lone
+graph's speed (1.517 and 3.073 ms, the same tokens).
+
+Segmenting: a single-stream capture is a chain in which each marker depends on every node enqueued before it, and
+every node enqueued after it depends on it; in a topological order the nodes between marker i-1 and marker i are step
+i's. `segment_nodes` checks that no edge joins two steps' nodes except through a marker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_P = ctypes.c_void_p
+_SIZE = ctypes.c_size_t
+_NODE_TYPE_MEMSET = 2  # CUgraphNodeType
+_EDGE_DATA_BYTES = 8  # CUgraphEdgeData: from_port, to_port, type, reserved[5]
+_SIGNATURES = {
+    "cuMemsetD8Async": [ctypes.c_ulonglong, ctypes.c_ubyte, _SIZE, _P],
+    "cuGraphGetNodes": [_P, ctypes.POINTER(_P), ctypes.POINTER(_SIZE)],
+    "cuGraphGetEdges_v2": [_P, ctypes.POINTER(_P), ctypes.POINTER(_P), _P, ctypes.POINTER(_SIZE)],
+    "cuGraphNodeGetType": [_P, ctypes.POINTER(ctypes.c_int)],
+    "cuGraphMemsetNodeGetParams": [_P, _P],
+    "cuGraphClone": [ctypes.POINTER(_P), _P],
+    "cuGraphNodeFindInClone": [ctypes.POINTER(_P), _P, _P],
+    "cuGraphDestroyNode": [_P],
+    "cuGraphDestroy": [_P],
+    "cuGraphInstantiateWithFlags": [ctypes.POINTER(_P), _P, ctypes.c_ulonglong],
+    "cuGraphLaunch": [_P, _P],
+    "cuGraphExecDestroy": [_P],
+}
+
+
+class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", ctypes.c_ulonglong), ("pitch", _SIZE), ("value", ctypes.c_uint),
+                ("element_size", ctypes.c_uint), ("width", _SIZE), ("height", _SIZE)]  # fmt: skip
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL | None:
+    """libcuda with the signatures set, or None (no driver library, or one without these entry points)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def available() -> bool:
+    """Whether graphs can be split from one capture here: a CUDA (not ROCm) build of torch on a CUDA device, and a
+    driver library with the graph entry points (CUDA 12.3+: edge data)."""
+    return torch.cuda.is_available() and torch.version.hip is None and _driver() is not None
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{call} failed: CUresult {result}")
+
+
+def segment_nodes(nodes: list[int], edges: list[tuple[int, int]], marker_index: dict[int, int]) -> dict[int, int]:
+    """Each non-marker node's step (0, 1, ...) in a graph captured on one stream with marker `marker_index[n]`
+    after step `marker_index[n]`; markers map to -1. Raises ValueError when the graph is not such a chain of steps:
+    a cycle, markers out of order, a node after the last marker, or an edge between two steps' nodes."""
+    successors: dict[int, list[int]] = defaultdict(list)
+    in_degree = dict.fromkeys(nodes, 0)
+    for a, b in edges:
+        successors[a].append(b)
+        in_degree[b] += 1
+    order, ready = [], deque(n for n in nodes if in_degree[n] == 0)
+    while ready:
+        n = ready.popleft()
+        order.append(n)
+        for m in successors[n]:
+            in_degree[m] -= 1
+            if in_degree[m] == 0:
+                ready.append(m)
+    if len(order) != len(nodes):
+        raise ValueError("the captured graph has a cycle")
+    segment, step = {}, 0
+    for n in order:
+        if n in marker_index:
+            if marker_index[n] != step:
+                raise ValueError(f"marker {marker_index[n]} found where marker {step} was due")
+            segment[n] = -1
+            step += 1
+        else:
+            segment[n] = step
+    if any(s == step for s in segment.values()):
+        raise ValueError("nodes after the last marker")
+    for a, b in edges:
+        if segment[a] >= 0 and segment[b] >= 0 and segment[a] != segment[b]:
+            raise ValueError(f"an edge joins step {segment[a]} and step {segment[b]} past their markers")
+    return segment
+
+
+class SplitGraph:
+    """One step's exec, made from a clone of the whole capture; `replay()` launches it on the current stream. Holds
+    the whole capture's torch graph (`keep_alive`): its memory pool backs the step's tensors."""
+
+    def __init__(self, clone: _P, keep_alive: torch.cuda.CUDAGraph) -> None:
+        self._clone = clone
+        self._exec = _P()
+        self.keep_alive = keep_alive
+        _check(_driver().cuGraphInstantiateWithFlags(ctypes.byref(self._exec), clone, 0), "cuGraphInstantiateWithFlags")
+
+    def replay(self) -> None:
+        if self._exec.value is None:
+            raise RuntimeError("replay of a split graph after its reset()")
+        _check(_driver().cuGraphLaunch(self._exec, _P(torch.cuda.current_stream().cuda_stream)), "cuGraphLaunch")
+
+    def reset(self) -> None:
+        """Destroy the exec and its clone (as `torch.cuda.CUDAGraph.reset`); a later replay is an error."""
+        lib = _driver()
+        if self._exec.value is not None:
+            lib.cuGraphExecDestroy(self._exec)
+            lib.cuGraphDestroy(self._clone)
+            self._exec, self._clone = _P(), _P()
+
+    def __del__(self) -> None:
+        try:
+            self.reset()
+        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone; nothing to free then
+            pass
+
+
+def capture_split(steps: list[tuple[Hashable, Callable[[], None]]], pool: object = None) -> tuple[dict, object]:
+    """Capture `steps` ((key, step) pairs, each already run once outside a capture) in one stream capture into
+    `pool`; returns ({key: SplitGraph}, the pool). Raises RuntimeError or ValueError when the driver refuses a call
+    or the capture does not split (`segment_nodes`)."""
+    lib = _driver()
+    assert lib is not None, "graph_split.available() first"
+    device = torch.cuda.current_device()
+    markers = torch.zeros(len(steps), dtype=torch.uint8, device=device)  # [steps]: outside the pool, never read
+    whole = torch.cuda.CUDAGraph(keep_graph=True)  # captured, never instantiated: the raw graph stays alive
+    with torch.cuda.graph(whole, pool=pool):
+        stream = _P(torch.cuda.current_stream().cuda_stream)
+        for i, (_, step) in enumerate(steps):
+            step()
+            _check(lib.cuMemsetD8Async(markers.data_ptr() + i, 1, 1, stream), "cuMemsetD8Async")
+    raw = _P(whole.raw_cuda_graph())
+    nodes, edges = _nodes_and_edges(lib, raw)
+    marker_index = {}
+    for n in nodes:
+        kind = ctypes.c_int()
+        _check(lib.cuGraphNodeGetType(_P(n), ctypes.byref(kind)), "cuGraphNodeGetType")
+        if kind.value == _NODE_TYPE_MEMSET:
+            params = _MemsetParams()
+            _check(lib.cuGraphMemsetNodeGetParams(_P(n), ctypes.byref(params)), "cuGraphMemsetNodeGetParams")
+            if markers.data_ptr() <= params.dst < markers.data_ptr() + len(steps):
+                marker_index[n] = params.dst - markers.data_ptr()
+    if len(marker_index) != len(steps):
+        raise ValueError(f"{len(marker_index)} of the {len(steps)} markers found in the captured graph")
+    segment = segment_nodes(nodes, edges, marker_index)
+    graphs = {}
+    for i, (key, _) in enumerate(steps):
+        clone = _P()
+        _check(lib.cuGraphClone(ctypes.byref(clone), raw), "cuGraphClone")
+        for n in nodes:
+            if segment[n] != i:
+                node = _P()
+                _check(lib.cuGraphNodeFindInClone(ctypes.byref(node), _P(n), clone), "cuGraphNodeFindInClone")
+                _check(lib.cuGraphDestroyNode(node), "cuGraphDestroyNode")
+        graphs[key] = SplitGraph(clone, whole)
+    logger.info("%d graphs from one capture (%d nodes)", len(graphs), len(nodes))
+    return graphs, whole.pool() if pool is None else pool
+
+
+def _nodes_and_edges(lib: ctypes.CDLL, graph: _P) -> tuple[list[int], list[tuple[int, int]]]:
+    count = _SIZE(0)
+    _check(lib.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (_P * count.value)()
+    _check(lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    num_edges = _SIZE(0)
+    _check(lib.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(num_edges)), "cuGraphGetEdges_v2")
+    # The edge data must be asked for: without it the driver refuses a graph with programmatic (PDL) edges (402).
+    src, dst = (_P * num_edges.value)(), (_P * num_edges.value)()
+    data = (ctypes.c_ubyte * (_EDGE_DATA_BYTES * num_edges.value))()
+    found = lib.cuGraphGetEdges_v2(graph, src, dst, ctypes.cast(data, _P), ctypes.byref(num_edges))
+    _check(found, "cuGraphGetEdges_v2")
+    return list(nodes), list(zip(src, dst, strict=True))

@@ -108,9 +108,10 @@ class GraphRunner:
 
 def _capture_all(steps: list[tuple[Hashable, Callable[[], None]]], graphs: dict, pool: object) -> object:
     """Each (key, step) run once on the current stream, then captured into `graphs[key]`: all in one stream capture
-    split per step (`graph_split`: a process's fourth capture slows every graph of it) unless JETSERVE_ONE_CAPTURE=0
-    or the driver cannot, else one capture each (`_capture`). Returns the memory pool."""
-    if envs.one_capture() and graph_split.available():
+    split per step (`graph_split`: a process's fourth capture slows every graph of it) unless JETSERVE_ONE_CAPTURE=0,
+    the driver cannot, or the process is one rank of several (NCCL's kernels in a split capture have not run on GPUs
+    yet), else one capture each (`_capture`). Returns the memory pool."""
+    if envs.one_capture() and graph_split.available() and not _is_multi_rank():
         for _, step in steps:
             step()
         try:
@@ -123,6 +124,11 @@ def _capture_all(steps: list[tuple[Hashable, Callable[[], None]]], graphs: dict,
     for key, step in steps:
         pool = _capture(key, graphs, pool, step)
     return pool
+
+
+def _is_multi_rank() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:

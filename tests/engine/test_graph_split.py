@@ -102,6 +102,7 @@ def steps_run(log: list) -> list:
 
 def test_the_buckets_come_from_one_capture_when_the_driver_allows(monkeypatch):
     calls = fake_captures(monkeypatch, None)
+    assert not cuda_graph._is_multi_rank()
     log, graphs = [], {}
     pool = cuda_graph._capture_all(steps_run(log), graphs, None)
     assert calls == {"split": [[4, 2, 1]], "each": []}
@@ -109,17 +110,18 @@ def test_the_buckets_come_from_one_capture_when_the_driver_allows(monkeypatch):
     assert graphs == {4: "split 4", 2: "split 2", 1: "split 1"} and pool == "split pool"
 
 
-@pytest.mark.parametrize("env", ["0", "failing"])
-def test_one_capture_each_when_turned_off_or_refused(monkeypatch, caplog, env):
+@pytest.mark.parametrize("why", ["turned off", "multi-rank", "refused"])
+def test_one_capture_each_when_turned_off_multi_rank_or_refused(monkeypatch, caplog, why):
     calls = fake_captures(monkeypatch, RuntimeError("cuGraphClone failed: CUresult 1"))
-    if env == "0":
+    if why == "turned off":
         monkeypatch.setenv("JETSERVE_ONE_CAPTURE", "0")
+    monkeypatch.setattr(cuda_graph, "_is_multi_rank", lambda: why == "multi-rank")
     graphs = {}
     with caplog.at_level(logging.WARNING, logger="jetserve.engine.cuda_graph"):
         pool = cuda_graph._capture_all(steps_run([]), graphs, None)
     assert calls["each"] == [4, 2, 1] and graphs == {4: "own 4", 2: "own 2", 1: "own 1"} and pool == "own pool"
-    assert calls["split"] == ([] if env == "0" else [[4, 2, 1]])
-    assert ("capturing each on its own" in caplog.text) == (env == "failing")
+    assert calls["split"] == ([[4, 2, 1]] if why == "refused" else [])
+    assert ("capturing each on its own" in caplog.text) == (why == "refused")
 
 
 def test_bad_switch_value_is_an_error(monkeypatch):

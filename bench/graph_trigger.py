@@ -1,15 +1,17 @@
-"""Which second CUDA graph slows the 2B's batch-1 decode graph (docs/performance.md, sessions 30-32): an engine that
+"""Which second CUDA graph slows the 2B's batch-1 decode graph (docs/performance.md, sessions 30-33): an engine that
 captures bucket 1 alone (its graph buffers sized for `--max-num-seqs`) decodes a 1K-token prompt; its graph A is
 replayed back to back (5 x 50 replays), then the variant's graph is captured in the same process and A is replayed
 again; `LLMEngine.step` is timed after that. A variant per process (its state is the process's): run the script once
 per variant. Beside the times, the step's roofline (its bytes over the copy bandwidth measured here).
 
-How a graph is captured, HOW: `engine` (the engine's own `_capture`: since session 32 one warm-up on the current
-stream, then the capture in the global mode; before, two warm-ups on a new side stream, `side:2:global` here) or
+How a graph is captured, HOW: `engine` (the engine's `_capture`, one stream capture per graph: since session 32 one
+warm-up on the current stream, then the capture in the global mode; before, two warm-ups on a new side stream,
+`side:2:global` here) or
 `STREAM:WARMUPS:MODE`: STREAM `side` (a new side stream) or `current`, WARMUPS 0-2 runs there before the capture,
 MODE `global`, `relaxed` or `thread_local`. `--engine-capture HOW` sets the engine's own captures, `--buckets` the
 buckets it captures at start (`--order`: largest first, as the engine does, or smallest first; `--own-pools`: a
-memory pool per graph), `--batch` the sequences decoding (A: their bucket's graph).
+memory pool per graph), `--batch` the sequences decoding (A: their bucket's graph). `--one-capture`: the buckets as
+the engine captures them since session 33, all in one stream capture split per bucket (`cuda_graph._capture_all`).
 The second graph, VARIANT: `none`, or `KERNEL` (captured as the engine captures) or `KERNEL:HOW`. KERNEL: `add` (one
 torch kernel), `norm-pdl` / `norm-no-pdl` (one Triton RMSNorm launched with / without PDL), `cublas` (one GEMM),
 `decode-N` (the N-row decode step, N up to --max-num-seqs; decode-1 is A's step a second time). `--drop` resets
@@ -17,7 +19,8 @@ graphs of the engine's before the second graph is captured.
 Sessions 31-32 (H200, A from ~1.52 to ~1.58 ms): a second graph warmed up twice on a new side stream (add, norm-no-pdl,
 cublas, decode-1) or a decode graph warmed up once there; with warm-ups on the current stream, a fourth graph of any
 size, from then on (resetting graphs does not undo it). Capture order, memory pools, memory headroom,
-CUDA_SCALE_LAUNCH_QUEUES and CUDA_DEVICE_MAX_CONNECTIONS did not change it.
+CUDA_SCALE_LAUNCH_QUEUES and CUDA_DEVICE_MAX_CONNECTIONS did not change it. Session 33: the fourth stream capture is
+the trigger (four captures of which one was instantiated, yes; one capture instantiated five times, no).
 Usage: python bench/graph_trigger.py VARIANT [--engine-capture HOW] [--buckets 1,2,4] [--order smallest] [--batch 1]
 """
 
@@ -134,6 +137,7 @@ def main() -> None:
     p.add_argument("--buckets", default="1", help="the buckets the engine captures at start")
     p.add_argument("--order", choices=("largest", "smallest"), default="largest", help="which bucket is captured first")
     p.add_argument("--own-pools", action="store_true", help="a memory pool per graph (the engine shares one)")
+    p.add_argument("--one-capture", action="store_true", help="the buckets from one capture, as the engine since 33")
     p.add_argument("--batch", type=int, default=1, help="sequences decoding: A is their bucket's graph")
     p.add_argument("--drop", default="", help="buckets whose graphs are reset after A's first timing (e.g. 2,4,8)")
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -144,6 +148,8 @@ def main() -> None:
         engine_how = parse_how(args.engine_capture)
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
+    if args.one_capture and (args.own_pools or args.engine_capture != "engine"):
+        p.error("--one-capture captures as the engine does: no --own-pools or --engine-capture with it")
     buckets = sorted({int(b) for b in args.buckets.split(",")}, reverse=args.order == "largest")
     if max(buckets) > args.max_num_seqs or not 1 <= args.batch <= args.max_num_seqs:
         p.error(f"--buckets and --batch: within --max-num-seqs ({args.max_num_seqs})")
@@ -153,7 +159,10 @@ def main() -> None:
     @torch.inference_mode()
     def capture_buckets(self) -> None:  # the buckets asked for, in that order; the static buffers stay sized for all
         self._pad(0)
-        for B in buckets:
+        if args.one_capture:
+            steps = [(B, lambda B=B: self._step(B)) for B in buckets]
+            self.pool = cuda_graph._capture_all(steps, self.graphs, self.pool)
+        for B in [] if args.one_capture else buckets:
             pool = capture(B, self.graphs, None if args.own_pools else self.pool, lambda B=B: self._step(B))
             self.pool = self.pool or pool
         torch.cuda.synchronize()

@@ -49,8 +49,8 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--cuda-graph-batch-sizes", metavar="B,B,...",
-        help="the decode buckets to capture (default: 1, 2, 4, 8, then every 16 up to the largest batch size); three "
-        "or fewer keep a lone graph's speed on an H200 (docs/performance.md, session 32)",
+        help="the decode buckets to capture (default: 1, 2, 4, 8, then every 16 up to the largest batch size); "
+        "batches in between pad up, past the largest run eagerly",
     )  # fmt: skip
     p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,

@@ -133,10 +133,11 @@ def _is_multi_rank() -> bool:
 
 def _capture(graph_key: object, graphs: dict, pool: object, step) -> object:
     """Run `step` once on the current stream (outside the capture: lazy init, workspaces), then capture it into
-    `graphs[graph_key]`; returns the memory pool.
+    `graphs[graph_key]` (a stream capture of its own); returns the memory pool.
 
     Not on a side stream: on an H200 (session 32, `bench/graph_trigger.py`) warm-ups on a new side stream slowed every
-    graph of the process by 3-4% from the second graph on, warm-ups on the current stream only from the fourth."""
+    graph of the process by 3-4% from the second graph on; on the current stream, from the fourth capture (session
+    33: captures count, not graphs instantiated — hence `_capture_all`)."""
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):

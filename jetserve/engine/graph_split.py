@@ -114,10 +114,14 @@ class SplitGraph:
     the whole capture's torch graph (`keep_alive`): its memory pool backs the step's tensors."""
 
     def __init__(self, clone: _P, keep_alive: torch.cuda.CUDAGraph) -> None:
-        self._clone = clone
-        self._exec = _P()
+        self._clone, self._exec = _P(), _P()
         self.keep_alive = keep_alive
-        _check(_driver().cuGraphInstantiateWithFlags(ctypes.byref(self._exec), clone, 0), "cuGraphInstantiateWithFlags")
+        result = _driver().cuGraphInstantiateWithFlags(ctypes.byref(self._exec), clone, 0)
+        if result != 0:
+            self._exec = _P()
+            _driver().cuGraphDestroy(clone)
+        _check(result, "cuGraphInstantiateWithFlags")
+        self._clone = clone
 
     def replay(self) -> None:
         if self._exec.value is None:
@@ -129,8 +133,10 @@ class SplitGraph:
         lib = _driver()
         if self._exec.value is not None:
             lib.cuGraphExecDestroy(self._exec)
+            self._exec = _P()
+        if self._clone.value is not None:
             lib.cuGraphDestroy(self._clone)
-            self._exec, self._clone = _P(), _P()
+            self._clone = _P()
 
     def __del__(self) -> None:
         try:

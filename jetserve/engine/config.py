@@ -47,8 +47,8 @@ class EngineConfig:
     overlap_scheduling: bool = True  # decode one step ahead: launch step k + 1 before reading step k's tokens
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
     # Comma-separated decode buckets to capture, e.g. "1,8,32", in place of 1, 2, 4, 8 and every 16 up to the largest:
-    # batches in between pad up, past the largest run eagerly. All come from one stream capture (`graph_split`), so
-    # their number does not slow them (a process's fourth capture did: docs/performance.md, sessions 32-33).
+    # batches in between pad up, past the largest run eagerly. A single-GPU engine captures them all in one stream
+    # capture (`graph_split`), so their number does not slow them (a process's fourth capture did: sessions 32-33).
     cuda_graph_batch_sizes: str | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)

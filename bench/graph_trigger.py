@@ -6,15 +6,15 @@ per variant. Beside the times, the step's roofline (its bytes over the copy band
 
 How a graph is captured, HOW: `engine` (the engine's `_capture`, one stream capture per graph: since session 32 one
 warm-up on the current stream, then the capture in the global mode; before, two warm-ups on a new side stream,
-`side:2:global` here) or
-`STREAM:WARMUPS:MODE`: STREAM `side` (a new side stream) or `current`, WARMUPS 0-2 runs there before the capture,
-MODE `global`, `relaxed` or `thread_local`. `--engine-capture HOW` sets the engine's own captures, `--buckets` the
-buckets it captures at start (`--order`: largest first, as the engine does, or smallest first; `--own-pools`: a
-memory pool per graph), `--batch` the sequences decoding (A: their bucket's graph). `--one-capture`: the buckets as
-the engine captures them since session 33, all in one stream capture split per bucket (`cuda_graph._capture_all`).
-The second graph, VARIANT: `none`, or `KERNEL` (captured as the engine captures) or `KERNEL:HOW`. KERNEL: `add` (one
-torch kernel), `norm-pdl` / `norm-no-pdl` (one Triton RMSNorm launched with / without PDL), `cublas` (one GEMM),
-`decode-N` (the N-row decode step, N up to --max-num-seqs; decode-1 is A's step a second time). `--drop` resets
+`side:2:global` here) or `STREAM:WARMUPS:MODE`: STREAM `side` (a new side stream) or `current`, WARMUPS 0-2 runs there
+before the capture, MODE `global`, `relaxed` or `thread_local`. `--engine-capture HOW` sets how the engine's buckets are
+captured, `--buckets` the buckets it captures at start (`--order`: largest first, as the engine does, or smallest first;
+`--own-pools`: a memory pool per graph), `--batch` the sequences decoding (A: their bucket's graph). `--one-capture`:
+the buckets as the engine captures them since session 33, all in one stream capture split per bucket
+(`cuda_graph._capture_all`).
+The second graph, VARIANT: `none`, or `KERNEL` (captured by `_capture`, a capture of its own) or `KERNEL:HOW`. KERNEL:
+`add` (one torch kernel), `norm-pdl` / `norm-no-pdl` (one Triton RMSNorm launched with / without PDL), `cublas` (one
+GEMM), `decode-N` (the N-row decode step, N up to --max-num-seqs; decode-1 is A's step a second time). `--drop` resets
 graphs of the engine's before the second graph is captured.
 Sessions 31-32 (H200, A from ~1.52 to ~1.58 ms): a second graph warmed up twice on a new side stream (add, norm-no-pdl,
 cublas, decode-1) or a decode graph warmed up once there; with warm-ups on the current stream, a fourth graph of any
@@ -73,7 +73,7 @@ def parse_variant(text: str) -> tuple[str, tuple[str, int, str] | None]:
 
 
 def capture_with(how: tuple[str, int, str] | None):
-    """A function of `_capture`'s signature capturing as HOW says (None: the engine's own)."""
+    """A function of `_capture`'s signature capturing as HOW says (None: `_capture` itself)."""
     if how is None:
         return ENGINE_CAPTURE
     stream_kind, warmups, mode = how

@@ -177,11 +177,15 @@ def capture_split(steps: list[tuple[Hashable, Callable[[], None]]], pool: object
     for i, (key, _) in enumerate(steps):
         clone = _P()
         _check(lib.cuGraphClone(ctypes.byref(clone), raw), "cuGraphClone")
-        for n in nodes:
-            if segment[n] != i:
-                node = _P()
-                _check(lib.cuGraphNodeFindInClone(ctypes.byref(node), _P(n), clone), "cuGraphNodeFindInClone")
-                _check(lib.cuGraphDestroyNode(node), "cuGraphDestroyNode")
+        try:
+            for n in nodes:
+                if segment[n] != i:
+                    node = _P()
+                    _check(lib.cuGraphNodeFindInClone(ctypes.byref(node), _P(n), clone), "cuGraphNodeFindInClone")
+                    _check(lib.cuGraphDestroyNode(node), "cuGraphDestroyNode")
+        except RuntimeError:
+            lib.cuGraphDestroy(clone)
+            raise
         graphs[key] = SplitGraph(clone, whole)
     logger.info("%d graphs from one capture (%d nodes)", len(graphs), len(nodes))
     return graphs, whole.pool() if pool is None else pool

@@ -221,19 +221,24 @@ class SpecGraphRunner:
         starts, valid, slots = self.flush_rows[:, :B]
         self.spec.flush_rows(self.flush_ids[:B], starts, valid, slots)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        self._pad(0)
+    def steps(self) -> list[tuple[tuple, Callable[[], None]]]:
+        """The (graph key, captured body) of every speculative graph, largest bucket first."""
+        steps: list[tuple[tuple, Callable[[], None]]] = []
         for B in reversed(self.batch_sizes):
             if self.captures_flush(B):
-                self.pool = _capture(("flush", B), self.graphs, self.pool, lambda B=B: self._flush(B))
+                steps.append((("flush", B), lambda B=B: self._flush(B)))
             for shape in range(len(self.spec.shapes)):
-                self.pool = _capture(
-                    ("draft", B, shape), self.graphs, self.pool, lambda B=B, s=shape: self._draft(B, s)
-                )
+                steps.append((("draft", B, shape), lambda B=B, s=shape: self._draft(B, s)))
                 for greedy in (True, False):
-                    step = lambda B=B, s=shape, g=greedy: self._verify(B, s, g)  # noqa: E731
-                    self.pool = _capture(("verify", B, shape, greedy), self.graphs, self.pool, step)
+                    steps.append((("verify", B, shape, greedy), lambda B=B, s=shape, g=greedy: self._verify(B, s, g)))
+        return steps
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every speculative graph on padding inputs, in one stream capture beside the decode graphs' one where the
+        driver allows (`_capture_all`): a speculating process then makes two captures, under the four that slow it."""
+        self._pad(0)
+        self.pool = _capture_all(self.steps(), self.graphs, self.pool)
         torch.cuda.synchronize()
 
     def _pad(self, start: int, end: int | None = None) -> None:

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from jetserve.engine import graph_split
 from jetserve.engine.bench_offline import random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
@@ -116,6 +117,11 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                          spec_num_draft_tokens=6, num_slots=40, max_num_seqs=32, spec_feature_ring=32)  # fmt: skip
     spec, graphs = engine.spec, engine.spec.graphs
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8, 16, 32]
+    # every flush, draft and verify graph from one capture (engine.graph_split), beside the decode graphs' own
+    assert all(isinstance(g, graph_split.SplitGraph) for g in graphs.graphs.values())
+    assert len({id(g.keep_alive) for g in graphs.graphs.values()}) == 1
+    decode = engine.runner.graph_runner.graphs.values()
+    assert {id(g.keep_alive) for g in decode}.isdisjoint(id(g.keep_alive) for g in graphs.graphs.values())
     gen = torch.Generator(device="cuda").manual_seed(0)
     caches = _random_caches(engine, gen)
     # Every slot owns the pages of a 200-token sequence.

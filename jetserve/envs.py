@@ -75,9 +75,10 @@ def narrow_gemm() -> bool:
 
 
 def one_capture() -> bool:
-    """The decode buckets' CUDA graphs come from one stream capture, split per bucket through the driver API
-    (`engine.graph_split`): on by default where the driver allows; JETSERVE_ONE_CAPTURE=0 captures each bucket on its
-    own (a process's fourth capture slows every graph of it by 3-4% on an H200, session 33)."""
+    """The decode buckets' CUDA graphs come from one stream capture, and the speculative graphs from a second, each
+    split per graph through the driver API (`engine.graph_split`): on by default where the driver allows;
+    JETSERVE_ONE_CAPTURE=0 captures each graph on its own (a process's fourth capture slows every graph of it by 3-4%
+    on an H200, session 33)."""
     value = os.environ.get("JETSERVE_ONE_CAPTURE", "1")
     if value not in ("0", "1"):
         raise ValueError(f"JETSERVE_ONE_CAPTURE: {value!r} is not 0 or 1")

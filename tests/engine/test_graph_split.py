@@ -124,6 +124,73 @@ def test_one_capture_each_when_turned_off_multi_rank_or_refused(monkeypatch, cap
     assert ("capturing each on its own" in caplog.text) == (why == "refused")
 
 
+class FakeOps:
+    """Graphs as {node: the original node it copies}; a clone's nodes are found from its source graph's nodes only,
+    and never after their destruction (as the driver's `cuGraphNodeFindInClone`)."""
+
+    def __init__(self, nodes: list[int], fail_at: int | None = None) -> None:
+        self.graphs = {0: {n: n for n in nodes}}  # graph → {node: original}
+        self.source = {}  # clone → the graph it was cloned from, and its {source node: clone node}
+        self.owner = {n: 0 for n in nodes}
+        self.next_id, self.calls, self.fail_at = 1000, 0, fail_at
+
+    def _call(self) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("cuGraphNodeFindInClone failed: CUresult 1")
+
+    def clone(self, graph):
+        self._call()
+        g, copies = len(self.graphs), {}
+        self.graphs[g] = {}
+        for n, original in self.graphs[graph].items():
+            copies[n] = self.next_id
+            self.graphs[g][self.next_id] = original
+            self.owner[self.next_id] = g
+            self.next_id += 1
+        self.source[g] = (graph, copies)
+        return g
+
+    def find_in_clone(self, node, clone):
+        self._call()
+        graph, copies = self.source[clone]
+        copy = copies[node]
+        assert copy in self.graphs[clone], "a destroyed node looked up"
+        return copy
+
+    def destroy_node(self, node):
+        self._call()
+        del self.graphs[self.owner[node]][node]
+
+    def destroy_graph(self, graph):
+        del self.graphs[graph]
+
+
+@pytest.mark.parametrize("steps", [[3], [2, 0, 4], [1] * 7, [5, 1, 0, 3] * 14])
+def test_split_graph_gives_each_step_its_nodes_in_n_log_s_calls(steps):
+    nodes, edges, markers = chain(*steps)
+    segment = segment_nodes(nodes, edges, markers)
+    ops = FakeOps(nodes)
+    result = graph_split.split_graph(ops, 0, nodes, segment, len(steps))
+    assert ops.graphs[0] == {n: n for n in nodes}  # the captured graph is left as it was
+    for i, g in enumerate(result):
+        assert sorted(ops.graphs[g].values()) == sorted(n for n in nodes if segment[n] == i), f"step {i}"
+    assert sorted(ops.graphs) == sorted([0, *result])  # a clone per step, none left over
+    levels = max(1, (len(steps) - 1).bit_length())
+    assert ops.calls <= len(nodes) + len(markers) + 2 * len(nodes) * levels + len(steps)
+
+
+@pytest.mark.parametrize("when", [0.0, 0.1, 0.5, 1.0])
+def test_split_graph_destroys_its_clones_when_the_driver_refuses(when):
+    nodes, edges, markers = chain(5, 1, 0, 3, 2, 2)
+    clean = FakeOps(nodes)
+    graph_split.split_graph(clean, 0, nodes, segment_nodes(nodes, edges, markers), 6)
+    ops = FakeOps(nodes, fail_at=1 + round(when * (clean.calls - 1)))  # the first call, ..., the last
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        graph_split.split_graph(ops, 0, nodes, segment_nodes(nodes, edges, markers), 6)
+    assert list(ops.graphs) == [0] and ops.graphs[0] == {n: n for n in nodes}
+
+
 def test_bad_switch_value_is_an_error(monkeypatch):
     from jetserve import envs
 

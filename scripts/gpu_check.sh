@@ -74,7 +74,7 @@ case ",$STAGES," in *,profile,*)
   run profile_decode python3 bench/profile_decode.py --config 2b --batch-sizes 1,64 --input-len 4096 --steps 20 \
     --json "$OUT_DIR/profile.jsonl" ;; esac
 case ",$STAGES," in *,spec,*)
-  for mode in right wrong; do
+  for mode in right all wrong; do
     run "spec_forced_$mode" python3 -m jetserve.cli bench offline --config 2b --draft random \
       --forced-acceptance "$mode" --batch-sizes 1,16 --input-len 1024 --output-len 64 --json
   done

@@ -68,8 +68,10 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--spec-num-draft-tokens", type=int, help="tree nodes per verify step, root included")
     spec.add_argument("--no-spec-adaptive", action="store_true", help="always verify the full tree")
     spec.add_argument(
-        "--forced-acceptance", choices=["right", "wrong"],
-        help="replace drafted tokens by the target's own greedy continuation (right: best case) or tokens that are "
+        "--forced-acceptance", choices=["right", "all", "wrong"],
+        help="replace drafted tokens by the target's own greedy continuation from the plain run (right: the best "
+        "case, checked by the target; all: the same drafts accepted without the check, the best case's cost where "
+        "bf16 rounding makes the verify forward leave the plain text, as with random weights) or tokens that are "
         "never it (wrong: the overhead)",
     )  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")

@@ -53,8 +53,9 @@ class LLMEngine:
 
     With `config.draft`, decoding is speculative (EAGLE-3): `spec` is the SpecDecoder, and `num_draft_tokens`,
     `num_accepted_tokens`, `num_verify_steps`, `num_drafts` (sequence-rounds) and `spec_stats` count its work.
-    `forced_acceptance` ("right" / "wrong", benchmarks only) replaces every drafted token by the request's known
-    continuation (set in `spec.forced_continuations`) or a token that is never it.
+    `forced_acceptance` ("right" / "all" / "wrong", benchmarks only) replaces every drafted token by the request's
+    known continuation (set in `spec.forced_continuations`) or a token that is never it; "all" also accepts every
+    tree's deepest path without the target's check (its text is the continuation by construction).
     """
 
     def __init__(

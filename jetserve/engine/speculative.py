@@ -28,7 +28,9 @@ from jetserve.spec.verifier import SamplingRows, Verifier
 if TYPE_CHECKING:
     from jetserve.engine.model_runner import ModelRunner
 
-FORCED_MODES = ("right", "wrong")
+# Forced acceptance (benchmarks): the drafts are each request's known continuation ("right": checked by the target as
+# any draft; "all": taken without the target's say, as exact arithmetic would take a right draft) or never it ("wrong").
+FORCED_MODES = ("right", "all", "wrong")
 # An option's step time is the median of its last TIME_SAMPLES steps in a bucket: one slow step (a kernel compiled on
 # first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the dozens of steps
 # an average would take to forget it.
@@ -557,7 +559,8 @@ class SpecDecoder:
         included) and the tree's depth, per sequence — read with one host transfer."""
         is_chain = self.shapes[shape].topk == 1
         fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata, is_chain)
-        out = self.verifier.verify(fb, tree, sampling, is_chain=is_chain)
+        forced = self._accept_all(shape, tree, slots) if self.forced == "all" else None
+        out = self.verifier.verify(fb, tree, sampling, is_chain=is_chain, forced=forced)
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
         emitted = out.emitted_tokens(tree)  # [N, T_d]
         hidden = self.drafters[shape].extend_after_verify(
@@ -566,6 +569,27 @@ class SpecDecoder:
         self.last_hidden[slots] = hidden
         depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]
         return torch.cat([emitted, out.num_accepted.long()[:, None], depth], dim=1)
+
+    def _accept_all(
+        self, shape: int, tree: DraftTree, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forced "all": each row accepts the path to its tree's first deepest node (every node's token is the
+        continuation's at its position, `draft_tree`), and the bonus is the continuation's next token. Returns what
+        the acceptance kernels do: accepted nodes [N, T_d] int32 (root first, -1 after), their count [N] int32 and
+        the bonus [N] int64."""
+        num_nodes = tree.tokens.shape[1]
+        depth = tree.depths.max(dim=1).values.long()  # [N]
+        deepest = tree.depths.argmax(dim=1)  # [N]: the first node of that depth
+        up = [deepest]
+        for _ in range(self.shapes[shape].max_depth):
+            up.append(tree.parents.gather(1, up[-1][:, None]).squeeze(1).long().clamp(min=0))
+        up = torch.stack(up, dim=1)  # [N, D + 1]: the deepest node, its parent, ..., the root (repeated past it)
+        j = torch.arange(num_nodes, device=depth.device)  # [T_d]
+        ancestors = up.gather(1, (depth[:, None] - j).clamp(0, up.shape[1] - 1))  # [N, T_d]: the path's node j
+        accepted = torch.where(j <= depth[:, None], ancestors, -1).to(torch.int32)
+        after = tree.positions.gather(1, deepest[:, None]).squeeze(1) + 1  # [N]: the bonus token's position
+        bonus = self.forced_tokens[slots, after.clamp(max=self.forced_tokens.shape[1] - 1)]  # [N]
+        return accepted, (depth + 1).to(torch.int32), bonus
 
     def run_verify(
         self, seqs: list[Sequence], slots_host: np.ndarray, shape: int, is_all_greedy: bool

@@ -93,12 +93,19 @@ class Verifier:
         )
 
     def verify(
-        self, fb: ForwardBatch, tree: DraftTree, sampling: SamplingRows | None = None, is_chain: bool = False
+        self,
+        fb: ForwardBatch,
+        tree: DraftTree,
+        sampling: SamplingRows | None = None,
+        is_chain: bool = False,
+        forced: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> VerifyOutput:
         """Run the target over the trees, accept (greedy when `sampling` is None, else per row as `tree_accept`),
         and commit the accepted paths. Draft probabilities are not used: EAGLE's top-k children are deterministic
         proposals, for which point-mass acceptance keeps the target distribution exactly. `is_chain`: every tree is
-        a chain (topk = 1), accepted greedily in a few kernels (`chain_accept_greedy`)."""
+        a chain (topk = 1), accepted greedily in a few kernels (`chain_accept_greedy`). `forced` (benchmarks' forced
+        acceptance "all"): the (accepted, num_accepted, bonus) that replace the acceptance kernels' result, which
+        still run, so the step costs what a real one does."""
         num_seqs, num_nodes = tree.tokens.shape
         hidden = self.model(fb)  # [N*T_d, H]
         aux = list(self.model.aux_hidden_states)
@@ -112,6 +119,8 @@ class Verifier:
                 logits, tree.tokens, tree.parents, sampling.temperature, sampling.top_k, sampling.top_p,
                 sampling.min_p, sampling.seeds, sampling.counters,
             )  # fmt: skip
+        if forced is not None:
+            accepted, num_accepted, bonus = forced
         # Padded rows (slot 0) commit nothing.
         num_accepted = torch.where(fb.state_indices > 0, num_accepted, 0)
         self.model.commit_verified(fb, accepted, num_accepted)

@@ -37,7 +37,7 @@ def test_bench_offline_rejects_bad_arguments():
         run_offline_bench(parse(["--config", "tiny", "--output-len", "1", "--device", "cpu"]))
 
 
-@pytest.mark.parametrize("forced", ["right", "wrong"])
+@pytest.mark.parametrize("forced", ["right", "all", "wrong"])
 def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
     args = parse(["--config", "tiny", "--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--dtype",
                   "float32", "--device", "cpu", "--json", "--draft", "random", "--forced-acceptance", forced,
@@ -51,7 +51,7 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
     assert r["spec_verify_share"] == 1.0 and r["spec_plain_step_ms"] is None
     for median, longest in (r["plain_step_ms"], r["spec_verify_step_ms"]):
         assert 0 < median <= longest
-    if forced == "right":  # every draft accepted: 2 drafts + the bonus per step
+    if forced in ("right", "all"):  # every draft accepted: 2 drafts + the bonus per step
         assert r["spec_tau"] == 3.0 and r["spec_acceptance_per_depth"] == [1.0, 1.0]
     else:
         assert r["spec_tau"] == 1.0 and r["spec_acceptance_per_depth"] == [0.0, 0.0]

@@ -153,7 +153,7 @@ class FakeOps:
 
     def find_in_clone(self, node, clone):
         self._call()
-        graph, copies = self.source[clone]
+        _, copies = self.source[clone]
         copy = copies[node]
         assert copy in self.graphs[clone], "a destroyed node looked up"
         return copy

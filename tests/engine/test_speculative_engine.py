@@ -134,7 +134,7 @@ def test_drafted_greedy_equals_plain_through_llm(
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-@pytest.mark.parametrize("forced", ["right", "wrong"])
+@pytest.mark.parametrize("forced", ["right", "all", "wrong"])
 def test_forced_acceptance_all_and_none(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, forced):
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=forced, spec_adaptive=False, **shape)
     for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
@@ -216,6 +216,48 @@ def test_state_after_speculative_rounds_equals_prefill(
     for seq in seqs:
         engine.abort_request(seq.request_id)
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("graph_path", [False, True], ids=["eager", "graph_path"])
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_forced_all_commits_whole_paths_of_any_tokens_exactly(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, graph_path
+):
+    """Forced "all" takes each tree's deepest path without the target's check: continuations of random tokens after
+    the prefill's own first token, which the target would reject, come out whole (on the graph path too, padded rows
+    included), every drafted depth is accepted, and mid-generation the JetBlock state equals a fresh prefill of the
+    same cached tokens (whole-path commits). (The draft's last hidden state follows the made-up next token, where a
+    fresh prefill samples the target's: not compared.)"""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="all", spec_adaptive=False, **shape)
+    if graph_path:
+        _eager_graphs(engine, [1, 2, 4])
+    gen = torch.Generator().manual_seed(5)
+    chosen = [1, 3, 4]
+    made_up = {str(i): continuations[i][:1] + torch.randint(0, 256, (63,), generator=gen).tolist() for i in chosen}
+    for i in chosen:
+        engine.spec.forced_continuations[str(i)] = prompts[i] + made_up[str(i)]
+        engine.add_request(str(i), prompts[i], greedy(max_tokens=40))
+    for _ in range(6):
+        engine.step()
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 3 and all(s.num_output_tokens > 6 for s in seqs)
+    for seq in seqs:
+        assert seq.output_token_ids == made_up[seq.request_id][: seq.num_output_tokens]
+        cached = seq.token_ids[: seq.num_computed_tokens]
+        fresh = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **shape)
+        fresh.add_request("x", cached, greedy(max_tokens=1))
+        fresh.step()
+        for a, b in zip(_jet_state(engine, seq.slot), _jet_state(fresh, 1), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    final = {}
+    while engine.has_unfinished_requests():
+        final |= {o.request_id: o.output_token_ids for o in engine.step() if o.finished}
+    assert engine.is_idle_and_clean()
+    assert final == {k: v[:40] for k, v in made_up.items()}
+    rates = engine.spec_stats.acceptance_rate_per_depth
+    assert rates and all(r == 1.0 for r in rates)
+    if shape is CHAIN:  # every round a whole chain: 39 tokens after the prefill's first, 4 a round
+        assert len(rates) == 3 and engine.spec_stats.num_drafts == 3 * -(-39 // 4)
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,28 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_gpu_forced_all_in_bf16_accepts_every_draft_from_the_graphs(shape):
+    """Forced "all" at 4 layers of the 2B shapes in bf16, from the CUDA graphs: every drafted depth accepted and the
+    output the plain run's (where "right" leaves it within a few tokens: the docstring above)."""
+    model = random_model("2b", "bfloat16", torch.device("cuda"), seed=0, num_layers=4)
+    draft = random_draft_model(model, seed=1)
+    prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7)]
+    config = EngineConfig(draft="random", spec_adaptive=False, device="cuda", max_num_seqs=4, max_model_len=2048,
+                          gpu_memory_utilization=0.5, **shape)  # fmt: skip
+    engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance="all")
+    assert engine.spec.graphs is not None
+    engine.set_speculation(False)
+    plain = run(engine, prompts, greedy())
+    engine.set_speculation(True)
+    for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
+        engine.spec.forced_continuations[str(i)] = p + c
+    assert run(engine, prompts, greedy()) == plain
+    rates = engine.spec_stats.acceptance_rate_per_depth
+    assert engine.num_verify_steps > 0 and rates and all(r == 1.0 for r in rates)
+
+
+@torch.inference_mode()
 def test_gpu_plain_stretches_with_catch_ups_launched_ahead_are_exact():
     """The policy scripted to plain stretches longer than the draft's feature ring (40 steps, a ring of 32) between
     verify steps, with overlap scheduling and graphs: each ring-wrap catch-up replays the flush graph queued behind the

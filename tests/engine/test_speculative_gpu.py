@@ -172,25 +172,32 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                 check_caches(eager_caches, f"B={B} N={N} shape={shape}")
 
 
-@torch.inference_mode()
-def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
-    """4 layers of the real 2B shapes in fp32 (every Triton kernel and GEMM in IEEE fp32) with a random draft forced to
-    the plain run's greedy continuation: the speculative output is the plain output token for token, and nearly every
-    draft is accepted. (In bf16 these random weights put the top two logits within the bf16 noise of the two paths
-    at many steps, so forced drafts there measure rounding, not verify: see the trained model's test below.)"""
-    model = random_model("2b", "float32", torch.device("cuda"), seed=0, num_layers=4)
+def _forced_2b_runs(dtype: str, forced: str, prompt_lengths: tuple[int, ...], **shape) -> tuple[LLMEngine, list, list]:
+    """4 layers of the real 2B shapes with a random draft: the prompts decoded plainly, then speculatively with the
+    drafts forced (`forced`) to that plain run's greedy continuation, every step verified, from the CUDA graphs.
+    Returns (the engine, the plain outputs, the speculative outputs)."""
+    model = random_model("2b", dtype, torch.device("cuda"), seed=0, num_layers=4)
     draft = random_draft_model(model, seed=1)
-    prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7, 1000)]
-    config = EngineConfig(draft="random", spec_topk=1, spec_steps=5, spec_adaptive=False, device="cuda",
-                          max_num_seqs=4, max_model_len=2048, gpu_memory_utilization=0.5)  # fmt: skip
-    engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance="right")
+    prompts = [torch.randint(0, 151936, (n,)).tolist() for n in prompt_lengths]
+    config = EngineConfig(draft="random", spec_adaptive=False, device="cuda", max_num_seqs=4, max_model_len=2048,
+                          gpu_memory_utilization=0.5, **shape)  # fmt: skip
+    engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance=forced)
     assert engine.spec.graphs is not None
     engine.set_speculation(False)
     plain = run(engine, prompts, greedy())
     engine.set_speculation(True)
     for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
         engine.spec.forced_continuations[str(i)] = p + c
-    outs = run(engine, prompts, greedy())
+    return engine, plain, run(engine, prompts, greedy())
+
+
+@torch.inference_mode()
+def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
+    """4 layers of the real 2B shapes in fp32 (every Triton kernel and GEMM in IEEE fp32) with a random draft forced to
+    the plain run's greedy continuation: the speculative output is the plain output token for token, and nearly every
+    draft is accepted. (In bf16 these random weights put the top two logits within the bf16 noise of the two paths
+    at many steps, so forced drafts there measure rounding, not verify: see the trained model's test below.)"""
+    engine, plain, outs = _forced_2b_runs("float32", "right", (40, 300, 7, 1000), spec_topk=1, spec_steps=5)
     assert outs == plain
     assert engine.spec_stats.mean_acceptance_length > 4.0
 
@@ -200,19 +207,8 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact():
 def test_gpu_forced_all_in_bf16_accepts_every_draft_from_the_graphs(shape):
     """Forced "all" at 4 layers of the 2B shapes in bf16, from the CUDA graphs: every drafted depth accepted and the
     output the plain run's (where "right" leaves it within a few tokens: the docstring above)."""
-    model = random_model("2b", "bfloat16", torch.device("cuda"), seed=0, num_layers=4)
-    draft = random_draft_model(model, seed=1)
-    prompts = [torch.randint(0, 151936, (n,)).tolist() for n in (40, 300, 7)]
-    config = EngineConfig(draft="random", spec_adaptive=False, device="cuda", max_num_seqs=4, max_model_len=2048,
-                          gpu_memory_utilization=0.5, **shape)  # fmt: skip
-    engine = LLMEngine(config, model=model, tokenizer=None, draft=draft, forced_acceptance="all")
-    assert engine.spec.graphs is not None
-    engine.set_speculation(False)
-    plain = run(engine, prompts, greedy())
-    engine.set_speculation(True)
-    for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
-        engine.spec.forced_continuations[str(i)] = p + c
-    assert run(engine, prompts, greedy()) == plain
+    engine, plain, outs = _forced_2b_runs("bfloat16", "all", (40, 300, 7), **shape)
+    assert outs == plain
     rates = engine.spec_stats.acceptance_rate_per_depth
     assert engine.num_verify_steps > 0 and rates and all(r == 1.0 for r in rates)
 

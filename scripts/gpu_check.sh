@@ -2,8 +2,9 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,verify,linear,tiles,long,tp,mixer (default: the
-#   first four); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts forced wrong) and its profile;
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,verify,curve,linear,tiles,long,tp,mixer (default:
+#   the first four); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts forced wrong) and its
+#   profile; curve its forced speed-up curve (chain 6, the first K drafts accepted, K = 0..6: tau = K + 1);
 #   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
@@ -91,6 +92,12 @@ case ",$STAGES," in *,verify,*)  # issue 5's 2B verify step: chain 6 and tree 8,
   done
   run profile_verify python3 bench/profile_decode.py --batch-sizes 1,64 --steps 10 --draft random \
     --json "$OUT_DIR/profile_verify.jsonl" ;; esac
+case ",$STAGES," in *,curve,*)  # issue 5's forced speed-up curve: chain 6, the first K drafts accepted unchecked
+  for depth in 0 1 2 3 4 5 6; do
+    run "spec_curve_$depth" python3 -m jetserve.cli bench offline --config 2b --draft random --input-len 1024 \
+      --output-len 64 --batch-sizes 1,16 --spec-topk 1 --spec-steps 6 --spec-num-draft-tokens 7 \
+      --forced-acceptance all --forced-depth "$depth" --no-spec-adaptive --json
+  done ;; esac
 case ",$STAGES," in *,long,*)
   python3 -c "import json, sys; from jetserve.checkpoint import preset_config as p
 c = p('2b'); c['max_position_embeddings'] = 131072; json.dump(c, open(sys.argv[1], 'w'))" "$OUT_DIR/2b_64k.json"

@@ -74,6 +74,11 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
         "bf16 rounding makes the verify forward leave the plain text, as with random weights) or tokens that are "
         "never it (wrong: the overhead)",
     )  # fmt: skip
+    spec.add_argument(
+        "--forced-depth", type=int, metavar="K",
+        help="with --forced-acceptance all: accept the first K drafts of each tree (tau = K + 1 where the tree is that "
+        "deep), for the speed-up curve over K = 0 .. the tree's depth",
+    )  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")
 
 
@@ -124,6 +129,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     args.draft = draft_arg = resolve_checkpoint(getattr(args, "draft", None), "draft")
     if getattr(args, "forced_acceptance", None) and not draft_arg:
         raise ValueError("--forced-acceptance: needs --draft")
+    forced_depth = getattr(args, "forced_depth", None)
+    if forced_depth is not None and (getattr(args, "forced_acceptance", None) != "all" or forced_depth < 0):
+        raise ValueError("--forced-depth: needs --forced-acceptance all and a depth ≥ 0")
     dataset = getattr(args, "dataset", "random")
     if dataset != "random" and not args.model:
         raise ValueError(f"--dataset {dataset}: needs --model (a checkpoint with a tokenizer)")
@@ -181,7 +189,8 @@ def _engine(args: argparse.Namespace, device: torch.device, kwargs: dict, draft_
         from jetserve.spec.eagle3 import random_draft_model
 
         draft = random_draft_model(model, seed=args.seed)
-    return LLMEngine(config, model=model, tokenizer=tokenizer, draft=draft, forced_acceptance=forced)
+    return LLMEngine(config, model=model, tokenizer=tokenizer, draft=draft, forced_acceptance=forced,
+                     forced_depth=getattr(args, "forced_depth", None))  # fmt: skip
 
 
 def _parse_batch_sizes(text: str) -> list[int]:

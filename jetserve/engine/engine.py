@@ -55,7 +55,8 @@ class LLMEngine:
     `num_accepted_tokens`, `num_verify_steps`, `num_drafts` (sequence-rounds) and `spec_stats` count its work.
     `forced_acceptance` ("right" / "all" / "wrong", benchmarks only) replaces every drafted token by the request's
     known continuation (set in `spec.forced_continuations`) or a token that is never it; "all" also accepts every
-    tree's deepest path without the target's check (its text is the continuation by construction).
+    tree's deepest path without the target's check (its text is the continuation by construction), or its first
+    `forced_depth` drafts where given (τ = forced_depth + 1 on trees that deep: the forced speed-up curve).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class LLMEngine:
         tokenizer: object | None = None,
         draft: Eagle3DraftModel | None = None,
         forced_acceptance: str | None = None,
+        forced_depth: int | None = None,
     ) -> None:
         self.config = config
         if config.data_parallel_size > 1 or (config.tensor_parallel_size > 1 and not hasattr(model, "tensor_parallel")):
@@ -92,6 +94,8 @@ class LLMEngine:
             raise ValueError("draft: a draft model was passed, but config.draft is not set (it sets speculation on)")
         if forced_acceptance is not None and draft is None:
             raise ValueError("forced_acceptance: needs speculative decoding (a draft)")
+        if forced_depth is not None and forced_acceptance != "all":
+            raise ValueError("forced_depth: needs forced_acceptance 'all'")
         self.draft = draft if draft is None else fuse_projections(draft)
         self.plan = self._plan(model, device, dtype)
         logger.info("memory plan: %s", self.plan)
@@ -105,7 +109,7 @@ class LLMEngine:
             shapes = draft_shapes(topk, steps, config.draft_tree_size)
             self.spec = SpecDecoder(
                 self.runner, draft, shapes, config.spec_adaptive, forced_acceptance,
-                ring=config.feature_ring, max_flush_tokens=config.max_num_batched_tokens,
+                ring=config.feature_ring, max_flush_tokens=config.max_num_batched_tokens, forced_depth=forced_depth,
             )  # fmt: skip
             self.runner.attach_spec(self.spec)
         self.scheduler = Scheduler(

@@ -336,9 +336,12 @@ class SpecDecoder:
         *,
         ring: int,
         max_flush_tokens: int,
+        forced_depth: int | None = None,
     ) -> None:
         if forced is not None and forced not in FORCED_MODES:
             raise ValueError(f"forced acceptance: {forced!r} is not one of {', '.join(FORCED_MODES)}")
+        if forced_depth is not None and (forced != "all" or forced_depth < 0):
+            raise ValueError(f"forced depth: {forced_depth} needs forced acceptance 'all' and a depth ≥ 0")
         self.runner = runner
         self.draft = draft
         self.shapes = shapes
@@ -374,6 +377,7 @@ class SpecDecoder:
         # Forced acceptance (benchmarks): every node's token is the sequence's known continuation ("right") or that
         # token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
         self.forced = forced
+        self.forced_depth = forced_depth  # "all": accept at most this many drafts a step (None: the whole path)
         self.forced_continuations: dict[str, list[int]] = {}  # request_id → prompt + its greedy continuation
         num_forced = plan.max_model_len + max(s.num_draft_tokens for s in shapes) if forced else 1
         self.forced_tokens = torch.zeros(plan.num_slots, num_forced, dtype=torch.int64, device=device)  # [S, L]
@@ -573,21 +577,23 @@ class SpecDecoder:
     def _accept_all(
         self, shape: int, tree: DraftTree, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forced "all": each row accepts the path to its tree's first deepest node (every node's token is the
-        continuation's at its position, `draft_tree`), and the bonus is the continuation's next token. Returns what
-        the acceptance kernels do: accepted nodes [N, T_d] int32 (root first, -1 after), their count [N] int32 and
-        the bonus [N] int64."""
+        """Forced "all": each row accepts the path to its tree's first deepest node, or its first `forced_depth`
+        nodes after the root (every node's token is the continuation's at its position, `draft_tree`), and the bonus
+        is the continuation's next token. Returns what the acceptance kernels do: accepted nodes [N, T_d] int32 (root
+        first, -1 after), their count [N] int32 and the bonus [N] int64."""
         num_nodes = tree.tokens.shape[1]
-        depth = tree.depths.max(dim=1).values.long()  # [N]
+        full = tree.depths.max(dim=1).values.long()  # [N]
         deepest = tree.depths.argmax(dim=1)  # [N]: the first node of that depth
         up = [deepest]
         for _ in range(self.shapes[shape].max_depth):
             up.append(tree.parents.gather(1, up[-1][:, None]).squeeze(1).long().clamp(min=0))
         up = torch.stack(up, dim=1)  # [N, D + 1]: the deepest node, its parent, ..., the root (repeated past it)
-        j = torch.arange(num_nodes, device=depth.device)  # [T_d]
-        ancestors = up.gather(1, (depth[:, None] - j).clamp(0, up.shape[1] - 1))  # [N, T_d]: the path's node j
+        j = torch.arange(num_nodes, device=full.device)  # [T_d]
+        ancestors = up.gather(1, (full[:, None] - j).clamp(0, up.shape[1] - 1))  # [N, T_d]: the path's node j
+        depth = full if self.forced_depth is None else full.clamp(max=self.forced_depth)  # [N]: accepted drafts
         accepted = torch.where(j <= depth[:, None], ancestors, -1).to(torch.int32)
-        after = tree.positions.gather(1, deepest[:, None]).squeeze(1) + 1  # [N]: the bonus token's position
+        last = ancestors.gather(1, depth[:, None])  # [N, 1]: the last accepted node
+        after = tree.positions.gather(1, last).squeeze(1) + 1  # [N]: the bonus token's position
         bonus = self.forced_tokens[slots, after.clamp(max=self.forced_tokens.shape[1] - 1)]  # [N]
         return accepted, (depth + 1).to(torch.int32), bonus
 

@@ -57,6 +57,24 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
         assert r["spec_tau"] == 1.0 and r["spec_acceptance_per_depth"] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("depth", [0, 1])
+def test_bench_offline_forced_depth_sets_tau(capsys, depth):
+    args = parse(["--config", "tiny", "--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--dtype",
+                  "float32", "--device", "cpu", "--json", "--draft", "random", "--forced-acceptance", "all",
+                  "--forced-depth", str(depth), "--no-spec-adaptive", "--spec-steps", "2"])  # fmt: skip
+    assert run_offline_bench(args) == 0
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert r["spec_tau"] == depth + 1.0
+    assert r["spec_acceptance_per_depth"] == [1.0] * depth + [0.0] * (2 - depth)
+
+
+@pytest.mark.parametrize("forced", [None, "right"])
+def test_bench_offline_forced_depth_needs_forced_all(forced):
+    argv = ["--config", "tiny", "--device", "cpu", "--draft", "random", "--forced-depth", "1"]
+    with pytest.raises(ValueError, match="--forced-depth: needs --forced-acceptance all"):
+        run_offline_bench(parse(argv + (["--forced-acceptance", forced] if forced else [])))
+
+
 def test_bench_offline_forced_acceptance_needs_a_draft():
     with pytest.raises(ValueError, match="--forced-acceptance"):
         run_offline_bench(parse(["--config", "tiny", "--device", "cpu", "--forced-acceptance", "right"]))

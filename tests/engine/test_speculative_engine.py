@@ -218,17 +218,20 @@ def test_state_after_speculative_rounds_equals_prefill(
     assert engine.is_idle_and_clean()
 
 
+@pytest.mark.parametrize("depth", [None, 1], ids=["whole", "depth-1"])
 @pytest.mark.parametrize("graph_path", [False, True], ids=["eager", "graph_path"])
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_forced_all_commits_whole_paths_of_any_tokens_exactly(
-    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, graph_path
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, graph_path, depth
 ):
     """Forced "all" takes each tree's deepest path without the target's check: continuations of random tokens after
     the prefill's own first token, which the target would reject, come out whole (on the graph path too, padded rows
-    included), every drafted depth is accepted, and mid-generation the JetBlock state equals a fresh prefill of the
-    same cached tokens (whole-path commits). (The draft's last hidden state follows the made-up next token, where a
-    fresh prefill samples the target's: not compared.)"""
-    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="all", spec_adaptive=False, **shape)
+    included), every drafted depth is accepted (up to `forced_depth` where given), and mid-generation the JetBlock
+    state equals a fresh prefill of the same cached tokens (whole-path commits). (The draft's last hidden state
+    follows the made-up next token, where a fresh prefill samples the target's: not compared.)"""
+    config = EngineConfig(model=str(tiny_checkpoint), draft=draft_dir, spec_adaptive=False,
+                          **(BASE_ARGS | SPEC_ARGS | shape))  # fmt: skip
+    engine = LLMEngine(config, model=tiny_model, tokenizer=None, forced_acceptance="all", forced_depth=depth)
     if graph_path:
         _eager_graphs(engine, [1, 2, 4])
     gen = torch.Generator().manual_seed(5)
@@ -255,9 +258,17 @@ def test_forced_all_commits_whole_paths_of_any_tokens_exactly(
     assert engine.is_idle_and_clean()
     assert final == {k: v[:40] for k, v in made_up.items()}
     rates = engine.spec_stats.acceptance_rate_per_depth
-    assert rates and all(r == 1.0 for r in rates)
-    if shape is CHAIN:  # every round a whole chain: 39 tokens after the prefill's first, 4 a round
-        assert len(rates) == 3 and engine.spec_stats.num_drafts == 3 * -(-39 // 4)
+    accepted = len(rates) if depth is None else depth
+    assert rates and rates == [1.0] * accepted + [0.0] * (len(rates) - accepted)
+    if shape is CHAIN:  # every round the chain's first 3 (or `depth`) drafts: 39 tokens after the prefill's first
+        assert len(rates) == 3 and engine.spec_stats.num_drafts == 3 * -(-39 // (accepted + 1))
+
+
+@pytest.mark.parametrize("forced, depth", [(None, 1), ("right", 1), ("all", -1)])
+def test_forced_depth_needs_forced_all_and_a_depth(tiny_checkpoint, tiny_model, draft_dir, forced, depth):
+    config = EngineConfig(model=str(tiny_checkpoint), draft=draft_dir, **(BASE_ARGS | SPEC_ARGS))
+    with pytest.raises(ValueError, match="forced.depth"):
+        LLMEngine(config, model=tiny_model, tokenizer=None, forced_acceptance=forced, forced_depth=depth)
 
 
 @pytest.mark.parametrize(

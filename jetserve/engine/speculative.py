@@ -374,8 +374,8 @@ class SpecDecoder:
         # of them starts with a step launched from the host (`before_decode`, which resets it) and keeps its rows or
         # fewer, each one position further a step; only a catch-up changes `draft_len` meanwhile, and it only grows.
         self._unwrapped_ahead = 0
-        # Forced acceptance (benchmarks): every node's token is the sequence's known continuation ("right") or that
-        # token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
+        # Forced acceptance (benchmarks): every node's token is the sequence's known continuation ("right", "all") or
+        # that token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
         self.forced = forced
         self.forced_depth = forced_depth  # "all": accept at most this many drafts a step (None: the whole path)
         self.forced_continuations: dict[str, list[int]] = {}  # request_id → prompt + its greedy continuation

@@ -162,9 +162,10 @@ def main() -> None:
         if args.one_capture:
             steps = [(B, lambda B=B: self._step(B)) for B in buckets]
             self.pool = cuda_graph._capture_all(steps, self.graphs, self.pool)
-        for B in [] if args.one_capture else buckets:
-            pool = capture(B, self.graphs, None if args.own_pools else self.pool, lambda B=B: self._step(B))
-            self.pool = self.pool or pool
+        else:
+            for B in buckets:
+                pool = capture(B, self.graphs, None if args.own_pools else self.pool, lambda B=B: self._step(B))
+                self.pool = self.pool or pool
         torch.cuda.synchronize()
 
     cuda_graph.GraphRunner.capture = capture_buckets

@@ -323,6 +323,8 @@ def gemm_cases(
         picked = "cuBLAS" if rows > max_rows else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
         if name == "o_proj gated norm" and picked != "cuBLAS":
             picked = kernels.widened_tiling(picked, s.value_dim, n, k, kernels.sm_count(x.device))
+        if name == "down SwiGLU" and picked != "cuBLAS":
+            picked = kernels.swiglu_tiling(picked, n, k, kernels.sm_count(x.device))
         cases.append((f"{s.name} {name} {n}x{k} M={rows}", tilings, run, picked))
     return cases
 

@@ -272,6 +272,7 @@ def test_swiglu_reference_is_silu_and_mul_then_linear() -> None:
         (1, 37, 200, (1, 16, 32, 3, False)),  # FMA, split K, ragged K
         (5, 37, 200, (16, 16, 32, 1, True)),  # tensor-core tile, one split, ragged K
         (16, 300, 64, (16, 32, 16, 2, True)),  # tensor-core tile, split K, K a multiple of the tile
+        (7, 150, 2100, None),  # the heuristic's SwiGLU tiles (`swiglu_tiling`): 128 wide, split K, ragged N and K
     ],
 )
 def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, dtype, num_rows, n, k, tiling) -> None:
@@ -336,6 +337,30 @@ def test_widened_tiling_splits_head_wide_tiles() -> None:
     assert widened_tiling(fma, 256, 1536, 3072, num_sms=132) == fma
     wide = choose_tiling(7, 1536, 3072, num_sms=132)
     assert widened_tiling(wide, 64, 1536, 3072, num_sms=132) == wide
+
+
+def test_swiglu_tiling_widens_tensor_core_tiles() -> None:
+    """The SwiGLU mode's tensor-core tiles are SWIGLU_BLOCK_N wide with SWIGLU_WARPS warps, K split again (session
+    35's sweep): the 2B down (1536 x 8960) at 2-16 rows on 132 SMs runs 8 splits of 9 tiles (96 programs), the 4B's
+    (2048 x 11008) 8 of 11 (128); never more programs than SMs, no split without a tile; one-row FMA tiles, an N no
+    wider than the tile and tiles already that wide are kept."""
+    from jetserve.ops.linear.kernels import SWIGLU_BLOCK_N, SWIGLU_WARPS, choose_tiling, swiglu_tiling
+
+    for n, k in [(1536, 8960), (2048, 11008)]:
+        for num_rows in (2, 7, 16):
+            t = swiglu_tiling(choose_tiling(num_rows, n, k, num_sms=132), n, k, num_sms=132)
+            assert (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_splits) == (16, 128, 128, 8, 8)
+    for n, k in [(1536, 8960), (300, 2100), (129, 64), (4096, 1536)]:
+        for num_rows in (2, 9, 16, 64):
+            t = swiglu_tiling(choose_tiling(num_rows, n, k, num_sms=132), n, k, num_sms=132)
+            tiles = -(-k // t.block_k)
+            assert (t.block_n, t.num_warps) == (SWIGLU_BLOCK_N, SWIGLU_WARPS)
+            assert -(-n // t.block_n) * t.num_splits <= max(132, -(-n // t.block_n))
+            assert -(-tiles // -(-tiles // t.num_splits)) == t.num_splits  # no split without a tile
+    fma = choose_tiling(1, 1536, 8960, num_sms=132)
+    assert swiglu_tiling(fma, 1536, 8960, num_sms=132) == fma
+    narrow = choose_tiling(7, 48, 8960, num_sms=132)
+    assert swiglu_tiling(narrow, 48, 8960, num_sms=132) == narrow
 
 
 def test_choose_tiling_at_decode_shapes() -> None:

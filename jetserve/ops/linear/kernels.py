@@ -33,6 +33,8 @@ FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many pr
 FMA_LONG_K = 4096  # one-row FMA tiles: up to this K, 8 warps per program; past it, 2 rows per program (4 warps)
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 NORM_MIN_TILES_PER_SPLIT = 3  # ... and at least this many of the gated-norm mode's head-wide tiles (`widened_tiling`)
+SWIGLU_BLOCK_N = 128  # the SwiGLU mode's tensor-core weight tiles (`swiglu_tiling`): an x tile's silu(gate)·up shared by
+SWIGLU_WARPS = 8  # this many weight rows, with this many warps
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -380,10 +382,15 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
         programs_n = triton.cdiv(n, block_n)
         wanted_splits = FMA_PROGRAMS_PER_SM * num_sms // programs_n
         num_warps = 4 if long_k else 8
-    num_tiles = triton.cdiv(k, block_k)
-    num_splits = max(1, min(wanted_splits, num_tiles // MIN_TILES_PER_SPLIT))
-    num_splits = triton.cdiv(num_tiles, triton.cdiv(num_tiles, num_splits))  # no split left without a tile
+    num_splits = _splits(triton.cdiv(k, block_k), wanted_splits, MIN_TILES_PER_SPLIT)
     return GemvTiling(block_m, block_n, block_k, num_splits, use_dot, num_warps=num_warps, num_stages=num_stages)
+
+
+def _splits(num_tiles: int, wanted: int, min_tiles: int) -> int:
+    """K splits of num_tiles tiles: up to `wanted` (the programs that fill the GPU), each a run of at least
+    `min_tiles` tiles, and no split left without a tile."""
+    num_splits = max(1, min(wanted, num_tiles // min_tiles))
+    return triton.cdiv(num_tiles, triton.cdiv(num_tiles, num_splits))
 
 
 def widened_tiling(t: GemvTiling, head: int, n: int, k: int, num_sms: int) -> GemvTiling:
@@ -396,11 +403,21 @@ def widened_tiling(t: GemvTiling, head: int, n: int, k: int, num_sms: int) -> Ge
     block_k = max(t.block_k, head)
     if not t.use_dot:
         return dataclasses.replace(t, block_k=block_k)
-    num_tiles = triton.cdiv(k, block_k)
-    wanted = num_sms // triton.cdiv(n, t.block_n)
-    num_splits = max(1, min(wanted, num_tiles // NORM_MIN_TILES_PER_SPLIT))
-    num_splits = triton.cdiv(num_tiles, triton.cdiv(num_tiles, num_splits))  # no split left without a tile
+    num_splits = _splits(triton.cdiv(k, block_k), num_sms // triton.cdiv(n, t.block_n), NORM_MIN_TILES_PER_SPLIT)
     return dataclasses.replace(t, block_k=block_k, num_splits=num_splits)
+
+
+def swiglu_tiling(t: GemvTiling, n: int, k: int, num_sms: int) -> GemvTiling:
+    """`t` for the SwiGLU mode (`swiglu_linear`): tensor-core tiles take SWIGLU_BLOCK_N weight rows with SWIGLU_WARPS
+    warps, so each x tile's silu(gate)·up prologue, computed in registers by every program, feeds twice the weight of
+    the 64-wide tiles; the K split is chosen again for the wider tiles (every SM a program). FMA tiles (one row) and
+    an N no wider than t's tile are kept. Session 35's sweep (`bench/tile_sweep.py --only gemm --rows 7 --tile-kind
+    dot`, H200, bf16, weights from HBM, 97 tilings): the 2B's down (1536 x 8960) at 7 rows 16.71 µs with 64-wide tiles
+    and 5 splits, 12.57 with 128-wide tiles, 8 warps and 8 splits (the fastest; 4 warps 14.34 with 64-wide K steps)."""
+    if not t.use_dot or n <= t.block_n or t.block_n >= SWIGLU_BLOCK_N:
+        return t
+    num_splits = _splits(triton.cdiv(k, t.block_k), num_sms // triton.cdiv(n, SWIGLU_BLOCK_N), MIN_TILES_PER_SPLIT)
+    return dataclasses.replace(t, block_n=SWIGLU_BLOCK_N, num_warps=SWIGLU_WARPS, num_splits=num_splits)
 
 
 def fit_pipeline(t: GemvTiling, element_size: int, gated: bool, norm: tuple | None) -> GemvTiling:
@@ -442,6 +459,10 @@ def swiglu_linear(
     activation and down projection, without the [M, K] activation written and read back. x [M, 2K] (any leading
     dims), weight [N, K] → [M, N] in x.dtype; see `reference.swiglu_linear`. `add_norm` as `linear`'s."""
     check_swiglu_linear(x, weight)
+    num_rows = min(MAX_BLOCK_M, math.prod(x.shape[:-1]))
+    if tiling is None and num_rows and weight.numel():  # (no launch without rows, or over an empty weight)
+        (n, k), num_sms = weight.shape, sm_count(x.device)
+        tiling = swiglu_tiling(choose_tiling(num_rows, n, k, num_sms), n, k, num_sms)
     return _linear(x, weight, None, tiling, gated=True, add_norm=add_norm)
 
 

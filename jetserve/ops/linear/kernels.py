@@ -33,8 +33,8 @@ FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many pr
 FMA_LONG_K = 4096  # one-row FMA tiles: up to this K, 8 warps per program; past it, 2 rows per program (4 warps)
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 NORM_MIN_TILES_PER_SPLIT = 3  # ... and at least this many of the gated-norm mode's head-wide tiles (`widened_tiling`)
-SWIGLU_BLOCK_N = 128  # the SwiGLU mode's tensor-core weight tiles (`swiglu_tiling`): an x tile's silu(gate)·up shared by
-SWIGLU_WARPS = 8  # this many weight rows, with this many warps
+SWIGLU_BLOCK_N = 128  # the SwiGLU mode's tensor-core tiles (`swiglu_tiling`): an x tile's silu(gate)·up feeds this
+SWIGLU_WARPS = 8  # many weight rows, with this many warps
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 

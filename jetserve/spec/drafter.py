@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
+from jetserve.spec.constants import ShapeConstants
 from jetserve.spec.eagle3 import Eagle3DraftModel
 from jetserve.spec.tree import DraftTree, build_draft_tree, chain_tree, expand_frontier, first_level
 
@@ -57,20 +58,21 @@ class Drafter:
         self.topk = topk
         self.num_steps = num_steps
         self.num_draft_tokens = num_draft_tokens
+        self.constants = ShapeConstants()  # the batches' aranges, masks and fills (`spec.constants`)
 
     def _prefill_batch(
         self, positions: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor, slots: torch.Tensor,
         block_tables: torch.Tensor, max_seqlen_q: int,
     ) -> ForwardBatch:  # fmt: skip
-        num_seqs = cu_seqlens.shape[0] - 1
+        num_seqs, device = cu_seqlens.shape[0] - 1, positions.device
         return ForwardBatch(
             phase=Phase.PREFILL,
             input_ids=positions,  # unused by the draft (it takes input_ids as an argument)
             positions=positions,
             cu_seqlens=cu_seqlens.to(torch.int32),
             context_lens=context_lens.to(torch.int32),
-            state_indices=torch.zeros(num_seqs, dtype=torch.int32, device=positions.device),
-            has_initial_state=torch.ones(num_seqs, dtype=torch.bool, device=positions.device),
+            state_indices=self.constants.full((num_seqs,), 0, torch.int32, device),
+            has_initial_state=self.constants.full((num_seqs,), True, torch.bool, device),
             max_seqlen_q=max_seqlen_q,
             kv=KVMetadata(slot_mapping=slots, block_tables=block_tables),
         )
@@ -83,14 +85,13 @@ class Drafter:
         onward, causal among themselves: a VERIFY batch of chains while the rows are short (`ROWS_VERIFY_MAX_WIDTH`),
         else a PREFILL batch. positions [N*C], context_lens [N] int64, slots [N*C] (-1: not stored)."""
         device = positions.device
-        cu = torch.arange(num_rows + 1, device=device) * width
+        cu = self.constants.offsets(num_rows, width, device)  # [N + 1] int32
         if width > ROWS_VERIFY_MAX_WIDTH:
             return self._prefill_batch(positions, cu, context_lens, slots, block_tables, width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # [C, C]: node a ≤ j is j's ancestor
         return dataclasses.replace(
             self._prefill_batch(positions, cu, context_lens, slots, block_tables, width),
             phase=Phase.VERIFY,
-            tree_mask=causal.expand(num_rows, width, width).contiguous(),  # [N, C, C]
+            tree_mask=self.constants.causal(num_rows, width, device),  # [N, C, C]
         )
 
     def extend(
@@ -140,13 +141,13 @@ class Drafter:
         output at its last valid token (a row with none stores nothing; its output row is meaningless)."""
         num_seqs, width = input_ids.shape
         device = input_ids.device
-        offset = torch.arange(width, device=device)  # [C]
+        offset = self.constants.arange(width, device)  # [C]
         last = (num_valid.long() - 1).clamp(min=0)  # [N]: each row's last valid offset
         starts = start_positions.long()  # [N]
         # Padding tokens (offset ≥ num_valid) take their row's last valid position, so their RoPE and page lookups stay
         # inside what the sequence holds; they write nothing, and causality hides them from the valid tokens.
         positions = starts[:, None] + torch.minimum(offset[None, :], last[:, None])  # [N, C]
-        rows = torch.arange(num_seqs, device=device)  # [N]
+        rows = self.constants.arange(num_seqs, device)  # [N]
         stored = offset[None, :] < num_valid[:, None]  # [N, C]
         slots = torch.where(stored, kv.slots(rows[:, None].expand(-1, width), positions), -1)  # [N, C]
         fb = self._rows_batch(positions.view(-1), num_seqs, width, starts + width, slots.view(-1), kv.block_tables)
@@ -178,7 +179,7 @@ class Drafter:
             features = list(aux_hidden_states)
         else:
             nodes = accepted_nodes.long().clamp(min=0)  # [N, T_d]
-            flat = (torch.arange(num_seqs, device=nodes.device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
+            flat = (self.constants.arange(num_seqs, nodes.device)[:, None] * num_nodes + nodes).view(-1)  # [N*T_d]
             features = [aux[flat] for aux in aux_hidden_states]
         input_ids = emitted.clamp(min=0)  # [N, T_d]: the -1 padding becomes a token id the padding rows ignore
         return self.extend_rows(input_ids, features, tree.positions[:, 0], kv, num_accepted)
@@ -210,17 +211,19 @@ class Drafter:
         # Each candidate's chain of draft inputs from depth 1 down to itself: tokens [N, C, d], hidden [N, C, d, H].
         chain_tokens = tokens[:, :, None]
         chain_hidden = last_hidden[:, None, None, :].expand(-1, k, 1, -1)
-        rows = torch.arange(num_seqs, device=device).repeat_interleave(k)  # [N*k]: sequence of each branch
+        # [N*k]: the sequence of each branch
+        rows = self.constants.get(("branch rows", num_seqs, k), device,
+                                  lambda: torch.arange(num_seqs, device=device).repeat_interleave(k))  # fmt: skip
         roots = root_positions.to(device, torch.long)
         for depth in range(1, self.num_steps):
             pick = frontier_index[:, :, None]  # [N, k, 1]
             branch_tokens = chain_tokens.gather(1, pick.expand(-1, -1, depth))  # [N, k, d]
             branch_hidden = chain_hidden.gather(1, pick[..., None].expand(-1, -1, depth, hidden_size))  # [N, k, d, H]
             # [N, k, d] made dense: with N = 1 the expanded view would flatten to a stride-0 vector
-            positions = (roots[:, None, None] + torch.arange(depth, device=device)).expand(-1, k, -1).contiguous()
+            positions = (roots[:, None, None] + self.constants.arange(depth, device)).expand(-1, k, -1).contiguous()
             fb = self._rows_batch(
                 positions.reshape(-1), num_seqs * k, depth, roots[rows] + depth,
-                torch.full((num_seqs * k * depth,), -1, dtype=torch.long, device=device), kv.block_tables[rows],
+                self.constants.full((num_seqs * k * depth,), -1, torch.long, device), kv.block_tables[rows],
             )  # fmt: skip
             out = self.draft(branch_tokens.reshape(-1), branch_hidden.reshape(-1, hidden_size), fb)  # [N*k*d, H]
             frontier_out = out.view(num_seqs, k, depth, hidden_size)[:, :, -1]  # [N, k, H]
@@ -256,10 +259,10 @@ class Drafter:
         tokens, scores = [token], [logprob]
         chain_hidden = last_hidden[:, None, :]  # [N, 1, H]: the draft inputs' hidden part, depth 1 .. d
         for depth in range(1, self.num_draft_tokens - 1):
-            positions = roots[:, None] + torch.arange(depth, device=device)  # [N, d]
+            positions = roots[:, None] + self.constants.arange(depth, device)  # [N, d]
             fb = self._rows_batch(
                 positions.view(-1), num_seqs, depth, roots + depth,
-                torch.full((num_seqs * depth,), -1, dtype=torch.long, device=device), kv.block_tables,
+                self.constants.full((num_seqs * depth,), -1, torch.long, device), kv.block_tables,
             )  # fmt: skip
             chain_tokens = torch.stack(tokens, dim=1)  # [N, d]
             out = self.draft(chain_tokens.view(-1), chain_hidden.reshape(-1, hidden_size), fb)  # [N*d, H]
@@ -268,6 +271,6 @@ class Drafter:
             tokens.append(token)
             scores.append(scores[-1] + logprob)
             chain_hidden = torch.cat([chain_hidden, last[:, None, :]], dim=1)  # [N, d + 1, H]
-        root_score = torch.zeros(num_seqs, 1, dtype=torch.float32, device=device)
+        root_score = self.constants.full((num_seqs, 1), 0.0, torch.float32, device)
         chain_scores = torch.cat([root_score, torch.stack(scores, dim=1).float()], dim=1)  # [N, T_d]
         return chain_tree(torch.stack([root_tokens.to(device, torch.long), *tokens], dim=1), roots, chain_scores)

@@ -12,6 +12,7 @@ import torch
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.ops.sampling import chain_accept_greedy, tree_accept, tree_accept_greedy
+from jetserve.spec.constants import ShapeConstants
 from jetserve.spec.tree import DraftTree
 
 # (stored positions [T], state slot of each token [T], context length of each token's sequence [T], state_indices [N])
@@ -56,6 +57,7 @@ class Verifier:
     def __init__(self, model: JetNemotronForCausalLM, capture_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.capture_layers = capture_layers  # the drafter's (draft.capture_layers), to feed its catch-up
+        self.constants = ShapeConstants()  # the batch's aranges (`spec.constants`)
 
     def forward_batch(
         self,
@@ -71,7 +73,7 @@ class Verifier:
         num_seqs, num_nodes = tree.tokens.shape
         device = tree.tokens.device
         prefix = prefix_lens.to(device, torch.long)  # [N]
-        stored = (prefix[:, None] + torch.arange(num_nodes, device=device)).view(-1)  # [T]
+        stored = (prefix[:, None] + self.constants.arange(num_nodes, device)).view(-1)  # [T]
         rows = state_indices.long().repeat_interleave(num_nodes)  # [T]
         context = prefix + num_nodes  # [N]
         kv, swa_kv = kv_metadata(stored, rows, context.repeat_interleave(num_nodes), state_indices)
@@ -79,7 +81,7 @@ class Verifier:
             phase=Phase.VERIFY,
             input_ids=tree.tokens.reshape(-1),
             positions=tree.positions.reshape(-1),
-            cu_seqlens=(torch.arange(num_seqs + 1, device=device) * num_nodes).to(torch.int32),
+            cu_seqlens=self.constants.offsets(num_seqs, num_nodes, device),
             context_lens=context.to(torch.int32),
             state_indices=state_indices.to(torch.int32),
             has_initial_state=prefix > 0,

@@ -118,11 +118,15 @@ def test_drafted_speculation_equals_plain_greedy(models, topk, num_steps, num_dr
     prompts = _prompts([5, 12, 1], seed=topk)
     expected = _plain_greedy(target, prompts, 14)
     spec = SpecHarness(target, draft, prompts, topk, num_steps, num_draft_tokens)
+    kept = []
     while min(len(o) for o in spec.outputs) < 14:
         tree, out = spec.step()
         assert tree.tokens.shape == (3, num_draft_tokens)
         assert bool((out.num_accepted >= 1).all())
+        kept.append((len(spec.drafter.constants), len(spec.verifier.constants)))
     assert [o[:14] for o in spec.outputs] == expected
+    # the batches' shape constants (`spec.constants`) made in the first round, then served: none made again
+    assert len(kept) > 1 and all(k == kept[0] for k in kept) and min(kept[0]) > 0
 
 
 @pytest.mark.parametrize("topk, num_steps, num_draft_tokens", [(1, 4, 5), (2, 3, 6)])

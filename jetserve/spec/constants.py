@@ -20,11 +20,13 @@ class ShapeConstants:
         self._tensors: dict[tuple, torch.Tensor] = {}
 
     def get(self, key: Hashable, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The tensor kept under (key, device), else `make()` (kept unless a CUDA graph capture is running)."""
+        """The tensor kept under (key, device), else `make()` (kept unless a CUDA graph capture is running). Made as
+        a normal tensor even under `torch.inference_mode`, so that a later call outside it may use it."""
         full_key = (key, str(device))
         tensor = self._tensors.get(full_key)
         if tensor is None:
-            tensor = make()
+            with torch.inference_mode(False):
+                tensor = make()
             if not _capturing(tensor.device):
                 self._tensors[full_key] = tensor
         return tensor

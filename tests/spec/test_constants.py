@@ -42,6 +42,18 @@ def test_a_constant_made_during_a_capture_is_not_kept(monkeypatch) -> None:
     assert len(c) == 1 and c.arange(4, CPU) is kept
 
 
+def test_a_constant_made_in_inference_mode_serves_autograd_too() -> None:
+    """Made under `torch.inference_mode` (as the engine runs), a constant is a normal tensor: a later forward with
+    autograd on may save it for backward (an inference tensor there raises)."""
+    c = ShapeConstants()
+    with torch.inference_mode():
+        mask = c.causal(1, 3, CPU)
+    assert not mask.is_inference()
+    x = torch.randn(1, 3, 3, requires_grad=True)
+    torch.where(c.causal(1, 3, CPU), x, 0.0).sum().backward()
+    assert torch.equal(x.grad, mask.float())
+
+
 @pytest.mark.gpu
 def test_gpu_capture_keeps_nothing_and_replays_a_constant_made_before() -> None:
     if not torch.cuda.is_available():

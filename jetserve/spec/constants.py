@@ -5,7 +5,9 @@ In a CUDA graph each of these is a kernel of ~1 µs replayed every step (H200, s
 verify step at batch 1: aranges, fills, a triangle and copies among its ~60 small torch kernels). A tensor first made
 during a stream capture would live in that graph's pool with its fill captured in that graph alone, so during a
 capture a missing tensor is made for the call and not kept: the engine runs every step once before capturing it,
-which fills the cache. Callers must not write into what they get.
+which fills the cache. What is kept is bounded (MAX_KEPT_BYTES, outside the memory plan): past it, tensors are made
+per call, as without the cache (an eager catch-up of rows of any width up to the ring's would otherwise keep a
+tensor per width and row count). Callers must not write into what they get.
 """
 
 from __future__ import annotations
@@ -14,21 +16,27 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+MAX_KEPT_BYTES = 16 << 20  # what one cache keeps at most (the graphs' shapes need a few hundred KiB)
+
 
 class ShapeConstants:
     def __init__(self) -> None:
         self._tensors: dict[tuple, torch.Tensor] = {}
+        self.kept_bytes = 0
 
     def get(self, key: Hashable, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The tensor kept under (key, device), else `make()` (kept unless a CUDA graph capture is running). Made as
-        a normal tensor even under `torch.inference_mode`, so that a later call outside it may use it."""
+        """The tensor kept under (key, device), else `make()` (kept unless a CUDA graph capture is running or it
+        would pass MAX_KEPT_BYTES). Made as a normal tensor even under `torch.inference_mode`, so that a later call
+        outside it may use it."""
         full_key = (key, str(device))
         tensor = self._tensors.get(full_key)
         if tensor is None:
             with torch.inference_mode(False):
                 tensor = make()
-            if not _capturing(tensor.device):
+            nbytes = tensor.numel() * tensor.element_size()
+            if not _capturing(tensor.device) and self.kept_bytes + nbytes <= MAX_KEPT_BYTES:
                 self._tensors[full_key] = tensor
+                self.kept_bytes += nbytes
         return tensor
 
     def arange(self, n: int, device: torch.device) -> torch.Tensor:

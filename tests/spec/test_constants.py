@@ -42,6 +42,18 @@ def test_a_constant_made_during_a_capture_is_not_kept(monkeypatch) -> None:
     assert len(c) == 1 and c.arange(4, CPU) is kept
 
 
+def test_what_is_kept_stays_under_its_bound(monkeypatch) -> None:
+    """Past MAX_KEPT_BYTES a constant is made per call (still the right value), and nothing more is kept."""
+    monkeypatch.setattr(constants, "MAX_KEPT_BYTES", 100)
+    c = ShapeConstants()
+    kept = c.arange(10, CPU)  # 80 bytes
+    assert len(c) == 1 and c.kept_bytes == 80
+    big = c.arange(5, CPU)  # 40 more would pass 100: not kept
+    assert torch.equal(big, torch.arange(5)) and len(c) == 1 and c.arange(5, CPU) is not big
+    assert c.full((4,), 1, torch.int32, CPU) is c.full((4,), 1, torch.int32, CPU)  # 16 bytes still fit
+    assert c.kept_bytes == 96 and c.arange(10, CPU) is kept
+
+
 def test_a_constant_made_in_inference_mode_serves_autograd_too() -> None:
     """Made under `torch.inference_mode` (as the engine runs), a constant is a normal tensor: a later forward with
     autograd on may save it for backward (an inference tensor there raises)."""

@@ -3,7 +3,7 @@ counted on the CPU with the default model and its draft (fp32, reference backend
 and grouped by part: the batch, K/V metadata, logits, acceptance, emitted tokens, the draft's catch-up and its feature
 projection. Each is one small kernel in the verify CUDA graph, so the count is what the glue's launches cost in
 kernels. There is no roofline: a count, not a time. One JSON line per (batch size, part) with --json.
-Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--json FILE]
+Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--draft-shapes 1x6x7,2x3x8] [--json FILE]
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ def _part(event, labels: set[str]) -> str | None:
     return None
 
 
-def count_glue(batch_size: int) -> dict[str, collections.Counter]:
-    """{part: Counter of aten op → launches} for one chain verify step of `batch_size` greedy sequences."""
+def _speculating(batch_size: int, **spec_shape) -> tuple[object, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The default pair's engine (CPU, fp32) a few verify steps into `batch_size` greedy sequences, always verifying
+    with shape 0 (`spec_shape`: spec_topk / spec_steps / spec_num_draft_tokens, else the default's), and the running
+    sequences' (roots, prefix lengths, slots) for the next step."""
     llm = LLM(model=resolve_checkpoint("default", "model"), draft=resolve_checkpoint("default", "draft"), device="cpu",
-              dtype="float32", max_num_seqs=max(batch_size, 2), max_model_len=1024)  # fmt: skip
+              dtype="float32", max_num_seqs=max(batch_size, 2), max_model_len=1024, **spec_shape)  # fmt: skip
     engine, spec = llm.engine, llm.engine.spec
     spec.policy.forced_option = 0  # always verify with shape 0
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -69,6 +71,39 @@ def count_glue(batch_size: int) -> dict[str, collections.Counter]:
         engine.add_request(f"r{i}", list(range(1 + i, 30 + i)), params)
     for _ in range(4):
         engine.step()
+    seqs = list(engine.scheduler.running)
+    host = np.array([[s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs]])
+    roots, prefix, slots = torch.from_numpy(host)
+    return spec, (roots, prefix, slots)
+
+
+def _leaf_ops(prof, labels: set[str], rest: str = "verify (rest)") -> dict[str, collections.Counter]:
+    """{part (the innermost range of `labels` around it, else `rest`): Counter of aten op → launches} over the
+    profile's kernel-launching ops, each counted at its leaves."""
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for event in prof.events():
+        if not event.name.startswith("aten::") or event.name in NON_KERNELS:
+            continue
+        if any(c.name.startswith("aten::") and c.name not in NON_KERNELS for c in event.cpu_children):
+            continue  # counted at its leaves
+        counts[_part(event, labels) or rest][event.name[len("aten::") :]] += 1
+    return counts
+
+
+def count_draft_glue(topk: int, steps: int, nodes: int) -> collections.Counter:
+    """Counter of aten op → launches of one `draft_tree` call (batch 1, the tree shape given) outside the draft's
+    forward: the levels' batches, selection and tree building (with the reference ops of the draft's norm and top-1,
+    which are Triton kernels on a GPU)."""
+    spec, (roots, prefix, slots) = _speculating(1, spec_topk=topk, spec_steps=steps, spec_num_draft_tokens=nodes)
+    _labelled(spec.draft, "forward", "draft forward")
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        spec.draft_tree(0, roots, prefix, slots)
+    return _leaf_ops(prof, {"draft forward"}, rest="draft glue")["draft glue"]
+
+
+def count_glue(batch_size: int) -> dict[str, collections.Counter]:
+    """{part: Counter of aten op → launches} for one chain verify step of `batch_size` greedy sequences."""
+    spec, (roots, prefix, slots) = _speculating(batch_size)
     parts = {
         (spec.verifier.model, "forward"): "target forward",
         (spec.draft, "forward"): "draft forward",
@@ -86,26 +121,17 @@ def count_glue(batch_size: int) -> dict[str, collections.Counter]:
         _labelled(verifier_module, name, "acceptance")
     _labelled(kv_metadata_reference, "kv_metadata", ONE_LAUNCH)
     labels = set(parts.values()) | {"acceptance", ONE_LAUNCH}
-    seqs = list(engine.scheduler.running)
-    host = np.array([[s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs]])
-    roots, prefix, slots = torch.from_numpy(host)
-    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     with torch.inference_mode():
         tree = spec.draft_tree(0, roots, prefix, slots)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             spec.verify(0, tree, prefix, slots, None)
-    for event in prof.events():
-        if not event.name.startswith("aten::") or event.name in NON_KERNELS:
-            continue
-        if any(c.name.startswith("aten::") and c.name not in NON_KERNELS for c in event.cpu_children):
-            continue  # counted at its leaves
-        counts[_part(event, labels) or "verify (rest)"][event.name[len("aten::") :]] += 1
-    return counts
+    return _leaf_ops(prof, labels)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1")
+    p.add_argument("--draft-shapes", default="", help="also a draft step's glue at batch 1: TOPKxSTEPSxNODES, ...")
     p.add_argument("--json")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -124,6 +150,14 @@ def main() -> None:
             if out:
                 row = {"batch_size": batch_size, "part": part, "ops": sum(c.values()), "by_op": dict(c)}
                 out.write(json.dumps(row) + "\n")
+    for shape in filter(None, args.draft_shapes.split(",")):
+        topk, steps, nodes = map(int, shape.split("x"))
+        c = count_draft_glue(topk, steps, nodes)
+        print(f"\ndraft step {shape} (topk x steps x nodes), batch 1: {sum(c.values())} kernel-launching ops outside "
+              f"the draft's forward: " + ", ".join(f"{op}×{n}" for op, n in c.most_common(12)))  # fmt: skip
+        if out:
+            out.write(json.dumps({"draft_shape": shape, "part": "draft glue", "ops": sum(c.values()),
+                                  "by_op": dict(c)}) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""bench/verify_glue.py's draft-step count (CPU, the default pair): one draft step of a chain launches none of the
+shape-only kernels that `spec.constants` serves (its aranges, fills of -1 and 0, the causal triangle), and the
+script's JSON lines carry the counts. Before the constants, a chain-6 step had 11 aranges, 21 fills and 5 triangles."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
+    out = tmp_path / "glue.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/verify_glue.py", "--batch-sizes", "1", "--draft-shapes", "1x6x7", "--json", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    (draft,) = [r for r in rows if r.get("draft_shape") == "1x6x7"]
+    ops = draft["by_op"]
+    assert draft["ops"] > 0 and "tril" not in ops and ops.get("arange", 0) <= 1, ops  # the chain tree's depths
+    assert ops.get("fill_", 0) <= 6, ops  # the reference top-1's, one a level (a Triton kernel on a GPU)
+    verify = {r["part"]: r["ops"] for r in rows if r.get("batch_size") == 1}
+    assert verify["batch"] > 0 and "arange" not in next(r for r in rows if r.get("part") == "batch")["by_op"]

@@ -2,7 +2,8 @@
 counted on the CPU with the default model and its draft (fp32, reference backend, chain shape 0, the graph-free path)
 and grouped by part: the batch, K/V metadata, logits, acceptance, emitted tokens, the draft's catch-up and its feature
 projection. Each is one small kernel in the verify CUDA graph, so the count is what the glue's launches cost in
-kernels. There is no roofline: a count, not a time. One JSON line per (batch size, part) with --json.
+kernels. With --draft-shapes, a draft step's too (one `draft_tree` call at batch 1, outside the draft's forward).
+There is no roofline: a count, not a time. One JSON line per (batch size, part) and per draft shape with --json.
 Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--draft-shapes 1x6x7,2x3x8] [--json FILE]
 """
 
@@ -134,6 +135,12 @@ def main() -> None:
     p.add_argument("--draft-shapes", default="", help="also a draft step's glue at batch 1: TOPKxSTEPSxNODES, ...")
     p.add_argument("--json")
     args = p.parse_args()
+    try:
+        draft_shapes = [tuple(map(int, shape.split("x"))) for shape in filter(None, args.draft_shapes.split(","))]
+    except ValueError:
+        draft_shapes = [()]
+    if any(len(shape) != 3 for shape in draft_shapes):
+        p.error(f"--draft-shapes {args.draft_shapes!r}: want TOPKxSTEPSxNODES, comma-separated (e.g. 1x6x7,2x3x8)")
     torch.set_num_threads(1)
     out = open(args.json, "a") if args.json else None
     for batch_size in map(int, args.batch_sizes.split(",")):
@@ -150,9 +157,12 @@ def main() -> None:
             if out:
                 row = {"batch_size": batch_size, "part": part, "ops": sum(c.values()), "by_op": dict(c)}
                 out.write(json.dumps(row) + "\n")
-    for shape in filter(None, args.draft_shapes.split(",")):
-        topk, steps, nodes = map(int, shape.split("x"))
-        c = count_draft_glue(topk, steps, nodes)
+    for topk, steps, nodes in draft_shapes:
+        shape = f"{topk}x{steps}x{nodes}"
+        try:
+            c = count_draft_glue(topk, steps, nodes)
+        except ValueError as e:  # a tree shape the engine refuses
+            p.error(f"--draft-shapes {shape}: {e}")
         print(f"\ndraft step {shape} (topk x steps x nodes), batch 1: {sum(c.values())} kernel-launching ops outside "
               f"the draft's forward: " + ", ".join(f"{op}×{n}" for op, n in c.most_common(12)))  # fmt: skip
         if out:

@@ -588,7 +588,7 @@ class SpecDecoder:
         for _ in range(self.shapes[shape].max_depth):
             up.append(tree.parents.gather(1, up[-1][:, None]).squeeze(1).long().clamp(min=0))
         up = torch.stack(up, dim=1)  # [N, D + 1]: the deepest node, its parent, ..., the root (repeated past it)
-        j = torch.arange(num_nodes, device=full.device)  # [T_d]
+        j = self.verifier.constants.arange(num_nodes, full.device)  # [T_d]
         ancestors = up.gather(1, (full[:, None] - j).clamp(0, up.shape[1] - 1))  # [N, T_d]: the path's node j
         depth = full if self.forced_depth is None else full.clamp(max=self.forced_depth)  # [N]: accepted drafts
         accepted = torch.where(j <= depth[:, None], ancestors, -1).to(torch.int32)

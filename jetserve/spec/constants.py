@@ -43,7 +43,9 @@ class ShapeConstants:
         """[n] int64: 0 .. n - 1."""
         return self.get(("arange", n), device, lambda: torch.arange(n, device=device))
 
-    def full(self, shape: tuple[int, ...], value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def full(
+        self, shape: tuple[int, ...], value: bool | int | float, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """`torch.full(shape, value, dtype=dtype)`."""
         return self.get(("full", shape, value, dtype), device, lambda: torch.full(shape, value, dtype=dtype,
                                                                                    device=device))  # fmt: skip

@@ -57,7 +57,7 @@ class Verifier:
     def __init__(self, model: JetNemotronForCausalLM, capture_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.capture_layers = capture_layers  # the drafter's (draft.capture_layers), to feed its catch-up
-        self.constants = ShapeConstants()  # the batch's aranges (`spec.constants`)
+        self.constants = ShapeConstants()  # the batch's node aranges and offsets (`spec.constants`)
 
     def forward_batch(
         self,

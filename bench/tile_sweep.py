@@ -19,7 +19,6 @@ Usage: python bench/tile_sweep.py [--models 2b] [--only conv|verify|gemm|attn|de
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -326,15 +325,9 @@ def gemm_cases(
         picked = "cuBLAS" if rows > max_rows else kernels.choose_tiling(rows, n, k, kernels.sm_count(x.device))
         if name == "o_proj gated norm" and picked != "cuBLAS":
             picked = kernels.widened_tiling(picked, s.value_dim, n, k, kernels.sm_count(x.device))
-        case_tilings = tilings
-        if name == "o_proj gated norm":  # the grid's tensor-core tiles narrower than a head, and each widened to one
-            widened = [
-                dataclasses.replace(t, block_k=s.value_dim) for t in tilings if t.use_dot and t.block_k < s.value_dim
-            ]
-            case_tilings = list(dict.fromkeys(tilings + widened))
         if name == "down SwiGLU" and picked != "cuBLAS":
             picked = kernels.swiglu_tiling(picked, n, k, kernels.sm_count(x.device))
-        cases.append((f"{s.name} {name} {n}x{k} M={rows}", case_tilings, run, picked))
+        cases.append((f"{s.name} {name} {n}x{k} M={rows}", tilings, run, picked))
     return cases
 
 

@@ -131,22 +131,15 @@ def _linear_kernel(
         if GATED:  # silu_and_mul's math and rounding: fp32, one rounding to x's dtype (0 where masked)
             b_gate = b_x.to(tl.float32)
             b_x = (b_gate * tl.sigmoid(b_gate) * b_up.to(tl.float32)).to(x.dtype.element_ty)
-        if NORM_HEAD > 0:  # gated_rms_norm's math and rounding over heads of NORM_HEAD columns
+        if NORM_HEAD > 0:  # gated_rms_norm's math and rounding; a tile holds whole heads (BLOCK_K % NORM_HEAD == 0)
             o_kk = o_k + i * BLOCK_K
             m_g = m_m[:, None] & (o_kk < K)[None, :]
             b_g = tl.load(gate + o_m.to(tl.int64)[:, None] * stride_gm + o_kk[None, :], mask=m_g, other=0.0)
             b_g = b_g.to(tl.float32)
             b_nw = tl.load(norm_w + o_kk % NORM_HEAD, mask=o_kk < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-            if BLOCK_K >= NORM_HEAD:  # the tile holds whole heads (BLOCK_K % NORM_HEAD == 0): their statistics
-                b_o = tl.reshape(b_x.to(tl.float32), (BLOCK_M, BLOCK_K // NORM_HEAD, NORM_HEAD))
-                b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
-                b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
-            else:  # the tile is part of one head (NORM_HEAD % BLOCK_K == 0): its statistics from the whole head
-                o_h = (i_s * tiles_per_split + i) * BLOCK_K // NORM_HEAD * NORM_HEAD + tl.arange(0, NORM_HEAD)
-                b_head = tl.load(x + o_m.to(tl.int64)[:, None] * stride_xm + o_h[None, :], mask=m_m[:, None],
-                                 other=0.0).to(tl.float32)  # [BLOCK_M, NORM_HEAD]  # fmt: skip
-                b_ms = tl.sum(b_head * b_head, axis=1) / NORM_HEAD  # [BLOCK_M]
-                b_o = b_x.to(tl.float32) * tl.rsqrt(b_ms + eps)[:, None]
+            b_o = tl.reshape(b_x.to(tl.float32), (BLOCK_M, BLOCK_K // NORM_HEAD, NORM_HEAD))
+            b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
+            b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
             b_x = (b_o * b_nw[None, :] * (b_g * tl.sigmoid(b_g))).to(x.dtype.element_ty)
         if USE_DOT:
             acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
@@ -434,8 +427,6 @@ def fit_pipeline(t: GemvTiling, element_size: int, gated: bool, norm: tuple | No
         return t
     x_tiles = 1 + (gated or norm is not None)
     stage_bytes = (t.block_n + x_tiles * t.block_m) * t.block_k * element_size
-    if norm is not None and t.block_k < norm[3]:  # a tile narrower than a head also loads its whole head of x
-        stage_bytes += t.block_m * norm[3] * element_size
     stages = max(1, min(t.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     return t if stages == t.num_stages else dataclasses.replace(t, num_stages=stages)
 
@@ -494,8 +485,8 @@ def gated_norm_linear(
     if tiling is None:
         n, num_sms = weight.shape[0], sm_count(o.device)
         t = widened_tiling(choose_tiling(num_rows, n, k, num_sms), head, n, k, num_sms)
-    else:  # K tiles of whole heads, or (narrower) of one head's columns: each loads its head for the statistics
-        t = tiling
+    else:
+        t = tiling if tiling.block_k % head == 0 else dataclasses.replace(tiling, block_k=max(tiling.block_k, head))
     norm = (gate if gate.stride(-1) == 1 else gate.contiguous(), norm_weight.contiguous(), float(eps), head)
     return _linear(o, weight, None, t, gated=False, norm=norm, add_norm=add_norm)
 

@@ -252,8 +252,8 @@ def _gemm_tilings(rows: int, smoke: bool) -> list:
         return [GemvTiling(1, 4, 64, 1, False, 8, 1)] * (rows == 1) + [GemvTiling(block_m, 32, 32, 2, True, 4, 2)]
     if rows > 1:
         # narrow weight tiles (16, 32: more programs on a narrow N without splitting K) were not swept before session
-        # 21; 10 and 12 splits were added in session 35, not yet swept (the 2B's narrow weights at 8 splits of 128-wide
-        # tiles fill 96 of 132 SMs, at 10 splits 120)
+        # 21; 10 and 12 splits were added in session 35 (the 2B down at 8 splits of 128-wide tiles fills 96 of 132
+        # SMs, at 10 splits 120) and swept in session 36: within one tiling's spread at 2-16 rows
         dot = itertools.product((16, 32, 64, 128, 256), (64, 128), (3, 4), (1, 2, 3, 4, 6, 8, 10, 12, 16), (4, 8))
         tilings = [GemvTiling(block_m, bn, bk, sp, True, w, st) for bn, bk, st, sp, w in dot if w == 4 or bn >= 128]
         if rows > 8:

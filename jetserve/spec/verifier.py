@@ -11,7 +11,8 @@ import torch
 
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
-from jetserve.ops.sampling import chain_accept_greedy, tree_accept, tree_accept_greedy
+from jetserve.ops.chain_accept import chain_accept_emit
+from jetserve.ops.sampling import argmax, tree_accept, tree_accept_greedy
 from jetserve.spec.constants import ShapeConstants
 from jetserve.spec.tree import DraftTree
 
@@ -40,11 +41,16 @@ class VerifyOutput:
     num_accepted: torch.Tensor  # [N] int32: accepted nodes including the root (≥ 1; 0 on padded rows, slot 0)
     bonus: torch.Tensor  # [N] int64: the next token after the accepted path (the next tree's root)
     aux_hidden_states: list[torch.Tensor]  # the target's features at every node (one [N*T_d, H] per capture layer)
+    # [N, T_d + 2] int64 or None: the step's result row (emitted tokens, num_accepted, the tree's depth), where the
+    # acceptance made it (greedy chains, `chain_accept_emit`)
+    result: torch.Tensor | None = None
 
     def emitted_tokens(self, tree: DraftTree) -> torch.Tensor:
         """[N, T_d] int64: the tokens this step adds to each sequence — the accepted drafts then the bonus — padded
         with -1 past num_accepted (the root was already in the sequence)."""
         num_nodes = tree.num_nodes
+        if self.result is not None:
+            return self.result[:, :num_nodes]
         depth = torch.arange(num_nodes, device=tree.tokens.device)
         next_nodes = torch.cat([self.accepted_nodes[:, 1:], self.accepted_nodes[:, :1]], dim=1).long().clamp(min=0)
         drafts = tree.tokens.gather(1, next_nodes)  # [N, T_d]: token of accepted node k + 1
@@ -105,16 +111,22 @@ class Verifier:
         """Run the target over the trees, accept (greedy when `sampling` is None, else per row as `tree_accept`),
         and commit the accepted paths. Draft probabilities are not used: EAGLE's top-k children are deterministic
         proposals, for which point-mass acceptance keeps the target distribution exactly. `is_chain`: every tree is
-        a chain (topk = 1), accepted greedily in a few kernels (`chain_accept_greedy`). `forced` (benchmarks' forced
-        acceptance "all"): the (accepted, num_accepted, bonus) that replace the acceptance kernels' result, which
-        still run, so the step costs what a real one does."""
+        a chain (topk = 1), accepted greedily with its result row in one launch after the argmax
+        (`chain_accept_emit`). `forced` (benchmarks' forced acceptance "all"): the (accepted, num_accepted, bonus)
+        that replace the acceptance's result; the acceptance still runs (for a chain, the same launch given the
+        counts), so the step costs what a real one does."""
         num_seqs, num_nodes = tree.tokens.shape
         hidden = self.model(fb)  # [N*T_d, H]
         aux = list(self.model.aux_hidden_states)
         logits = self.model.compute_logits(hidden).view(num_seqs, num_nodes, -1)  # [N, T_d, V]
-        if sampling is None and is_chain:
-            accepted, num_accepted, bonus = chain_accept_greedy(logits, tree.tokens)
-        elif sampling is None:
+        if sampling is None and is_chain:  # one launch after the argmax; padded rows (slot 0) commit nothing
+            given = None if forced is None else forced[1:]  # a chain's accepted nodes follow from their count
+            accepted, num_accepted, bonus, result = chain_accept_emit(
+                argmax(logits), tree.tokens, fb.state_indices, given
+            )
+            self.model.commit_verified(fb, accepted, num_accepted)
+            return VerifyOutput(accepted, num_accepted, bonus, aux, result)
+        if sampling is None:
             accepted, num_accepted, bonus = tree_accept_greedy(logits, tree.tokens, tree.parents)
         else:
             accepted, num_accepted, bonus = tree_accept(

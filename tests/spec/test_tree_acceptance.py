@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from jetserve.ops.sampling import chain_accept_greedy, tree_accept, tree_accept_greedy, tree_accept_loop
+from jetserve.ops.chain_accept import chain_accept_emit
+from jetserve.ops.sampling import tree_accept, tree_accept_greedy, tree_accept_loop
 
 VOCAB = 8
 
@@ -43,8 +44,9 @@ def _all_greedy(logits, tokens, parents):
 
 @pytest.mark.parametrize("num_seqs, num_nodes", [(1, 2), (5, 4), (7, 9)])
 def test_chain_greedy_equals_tree_greedy(num_seqs, num_nodes):
-    """`chain_accept_greedy` gives `tree_accept_greedy`'s three outputs on chains whose drafts follow the target's
-    argmax for a random number of levels, then one wrong token, then random ones (which may match again)."""
+    """`chain_accept_emit` (from the target's argmax, no padded rows) gives `tree_accept_greedy`'s three outputs on
+    chains whose drafts follow the target's argmax for a random number of levels, then one wrong token, then random
+    ones (which may match again)."""
     gen = torch.Generator().manual_seed(num_seqs * 100 + num_nodes)
     logits = torch.randn(num_seqs, num_nodes, VOCAB, generator=gen)
     target = logits.argmax(dim=-1)  # [N, T_d]
@@ -56,7 +58,8 @@ def test_chain_greedy_equals_tree_greedy(num_seqs, num_nodes):
         if run + 1 < num_nodes:
             tokens[i, run + 1] = (target[i, run] + 1) % VOCAB
     parents = (torch.arange(num_nodes) - 1).to(torch.int32).expand(num_seqs, -1)
-    chain, tree = chain_accept_greedy(logits, tokens), tree_accept_greedy(logits, tokens, parents)
+    slots = torch.arange(1, num_seqs + 1)
+    chain, tree = chain_accept_emit(target, tokens, slots)[:3], tree_accept_greedy(logits, tokens, parents)
     for a, b in zip(chain, tree, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert int(chain[1][0]) == num_nodes

@@ -10,7 +10,6 @@ from jetserve.ops.sampling import kernels, reference
 from jetserve.ops.sampling.greedy import argmax, top_logprob
 from jetserve.ops.sampling.reference import compute_logprobs, top_logprobs
 from jetserve.ops.sampling.tree_acceptance import (
-    chain_accept_greedy,
     tree_accept,
     tree_accept_greedy,
     tree_accept_loop,
@@ -39,7 +38,6 @@ def sample(
 
 __all__ = [
     "argmax",
-    "chain_accept_greedy",
     "compute_logprobs",
     "sample",
     "top_logprob",

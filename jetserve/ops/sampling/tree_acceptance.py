@@ -75,22 +75,6 @@ def tree_accept_greedy(
     return accepted, (best_depth + 1).to(torch.int32), bonus
 
 
-def chain_accept_greedy(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`tree_accept_greedy` for a chain (node j's parent is j - 1), in a fixed handful of kernels where the tree's
-    version walks the nodes: the accepted drafts are the leading run of drafts equal to the target argmax before
-    them. logits [N, T_d, V], tokens [N, T_d]; returns what `tree_accept_greedy` returns."""
-    num_seqs, num_nodes, _ = logits.shape
-    if tokens.shape != (num_seqs, num_nodes):
-        raise ValueError(f"chain acceptance: tokens must be [N, T_d] = [{num_seqs}, {num_nodes}], got {tokens.shape}")
-    target = argmax(logits)  # [N, T_d]
-    is_match = tokens[:, 1:].long() == target[:, :-1]  # [N, T_d - 1]: draft j + 1 is the argmax at node j
-    accepted_drafts = is_match.int().cumprod(dim=1).sum(dim=1)  # [N]: the leading run
-    nodes = torch.arange(num_nodes, device=logits.device, dtype=torch.int32)  # [T_d]
-    accepted = torch.where(nodes[None, :] <= accepted_drafts[:, None], nodes[None, :], -1).to(torch.int32)
-    bonus = target.gather(1, accepted_drafts.long()[:, None]).squeeze(1)
-    return accepted, (accepted_drafts + 1).to(torch.int32), bonus
-
-
 def target_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:

@@ -254,14 +254,18 @@ class Drafter:
         draft graph (sorts, gathers, the ancestor mask)."""
         num_seqs, hidden_size = last_hidden.shape
         device = last_hidden.device
+        levels = self.num_draft_tokens - 1
         roots = root_positions.to(device, torch.long)  # [N]
+        # Every level's positions and context lengths at once (level d takes the first d columns / row d - 1):
+        # [N, levels] int64 and [levels, N] int32, its rows contiguous as a batch's context_lens are.
+        positions = roots[:, None] + self.constants.arange(levels, device)
+        ends = (roots[None, :] + self.constants.arange(levels + 1, device)[1:, None]).to(torch.int32)
         logprob, token = self.draft.top_candidate(last_hidden)  # [N] each
-        tokens, scores = [token], [logprob]
+        tokens, logprobs = [token], [logprob]
         chain_hidden = last_hidden[:, None, :]  # [N, 1, H]: the draft inputs' hidden part, depth 1 .. d
-        for depth in range(1, self.num_draft_tokens - 1):
-            positions = roots[:, None] + self.constants.arange(depth, device)  # [N, d]
+        for depth in range(1, levels):
             fb = self._rows_batch(
-                positions.view(-1), num_seqs, depth, roots + depth,
+                positions[:, :depth].reshape(-1), num_seqs, depth, ends[depth - 1],
                 self.constants.full((num_seqs * depth,), -1, torch.long, device), kv.block_tables,
             )  # fmt: skip
             chain_tokens = torch.stack(tokens, dim=1)  # [N, d]
@@ -269,8 +273,9 @@ class Drafter:
             last = out.view(num_seqs, depth, hidden_size)[:, -1]  # [N, H]
             logprob, token = self.draft.top_candidate(last)
             tokens.append(token)
-            scores.append(scores[-1] + logprob)
+            logprobs.append(logprob)
             chain_hidden = torch.cat([chain_hidden, last[:, None, :]], dim=1)  # [N, d + 1, H]
-        root_score = self.constants.full((num_seqs, 1), 0.0, torch.float32, device)
-        chain_scores = torch.cat([root_score, torch.stack(scores, dim=1).float()], dim=1)  # [N, T_d]
-        return chain_tree(torch.stack([root_tokens.to(device, torch.long), *tokens], dim=1), roots, chain_scores)
+        root_score = self.constants.full((num_seqs,), 0.0, torch.float32, device)
+        chain_scores = torch.stack([root_score, *logprobs], dim=1).cumsum(dim=1)  # [N, T_d]: cumulative log-probs
+        chain_tokens = torch.stack([root_tokens.to(device, torch.long), *tokens], dim=1)  # [N, T_d]
+        return chain_tree(chain_tokens, roots, chain_scores, self.constants)

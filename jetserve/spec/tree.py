@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jetserve.spec.constants import ShapeConstants
+
 
 @dataclass
 class DraftTree:
@@ -179,19 +181,28 @@ def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:
     return mask
 
 
-def chain_tree(tokens: torch.Tensor, root_positions: torch.Tensor, scores: torch.Tensor | None = None) -> DraftTree:
+def chain_tree(
+    tokens: torch.Tensor,
+    root_positions: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    constants: ShapeConstants | None = None,
+) -> DraftTree:
     """A chain of T_d nodes from tokens [N, T_d] (node 0 the last committed token): parent j - 1, depth j; scores
-    [N, T_d] fp32 its cumulative draft log-probs (0 at the root), zeros when not given."""
+    [N, T_d] fp32 its cumulative draft log-probs (0 at the root), zeros when not given. With `constants` (the
+    drafter's), the parents, depths and mask — the shape's alone — are made once and served from there (read-only)."""
     num_seqs, num_nodes = tokens.shape
     device = tokens.device
-    depth = torch.arange(num_nodes, device=device)  # [T_d]
-    parents = (depth - 1).to(torch.int32).expand(num_seqs, -1).contiguous()
-    mask = (depth[None, :] <= depth[:, None]).expand(num_seqs, -1, -1).contiguous()  # [N, T_d, T_d]
+    constants = constants or ShapeConstants()
+    depth = constants.arange(num_nodes, device)  # [T_d]
+    parents = constants.get(("chain parents", num_seqs, num_nodes), device,
+                            lambda: (depth - 1).to(torch.int32).expand(num_seqs, -1).contiguous())  # fmt: skip
+    depths = constants.get(("chain depths", num_seqs, num_nodes), device,
+                           lambda: depth.to(torch.int32).expand(num_seqs, -1).contiguous())  # fmt: skip
     return DraftTree(
         tokens=tokens.long(),
-        parents=parents,
-        depths=depth.to(torch.int32).expand(num_seqs, -1).contiguous(),
-        mask=mask,
+        parents=parents,  # [N, T_d] int32
+        depths=depths,  # [N, T_d] int32
+        mask=constants.causal(num_seqs, num_nodes, device),  # [N, T_d, T_d]: node a ≤ j is j's ancestor
         positions=root_positions.long()[:, None] + depth[None, :],
         scores=torch.zeros(num_seqs, num_nodes, device=device) if scores is None else scores,
     )

@@ -33,7 +33,7 @@ NON_KERNELS = {
         "transpose permute reshape _reshape_alias resolve_conj resolve_neg result_type unbind split chunk "
         "narrow split_with_sizes _unsafe_view contiguous flatten unflatten view_as empty_like resize_ "
         "_local_scalar_dense item expand_as broadcast_tensors is_nonzero new_empty new_empty_strided to "
-        "_to_copy zeros_like scalar_tensor lift is_same_size size stride numel dim"
+        "_to_copy zeros_like scalar_tensor lift is_same_size size stride numel dim as_strided_ unsqueeze_ squeeze_"
     ).split()
 }
 LEFT_OUT = ("target forward", "draft forward", "commit")

@@ -1,6 +1,7 @@
 """bench/verify_glue.py's draft-step count (CPU, the default pair): one draft step of a chain launches none of the
 shape-only kernels that `spec.constants` serves (its aranges, fills of -1 and 0, the causal triangle), and the
-script's JSON lines carry the counts. Before the constants, a chain-6 step had 11 aranges, 21 fills and 5 triangles."""
+script's JSON lines carry the counts (before the constants, a chain-6 step had 11 aranges, 21 fills and 5 triangles);
+a greedy chain's verify step makes its emitted tokens and result row in the acceptance op."""
 
 import json
 import os
@@ -20,7 +21,11 @@ def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     (draft,) = [r for r in rows if r.get("draft_shape") == "1x6x7"]
     ops = draft["by_op"]
-    assert draft["ops"] > 0 and "tril" not in ops and ops.get("arange", 0) <= 1, ops  # the chain tree's depths
+    assert draft["ops"] > 0 and "tril" not in ops and "arange" not in ops, ops  # the chain tree's shape: constants
     assert ops.get("fill_", 0) <= 6, ops  # the reference top-1's, one a level (a Triton kernel on a GPU)
+    assert ops.get("add", 0) <= 15, ops  # 6 norms' eps, 6 top-1 shifts, and 3 a step: the levels' positions made once
     verify = {r["part"]: r["ops"] for r in rows if r.get("batch_size") == 1}
     assert verify["batch"] > 0 and "arange" not in next(r for r in rows if r.get("part") == "batch")["by_op"]
+    # a greedy chain's acceptance, emitted tokens and result row: `ops.chain_accept` (one launch on a GPU), nothing
+    # after it
+    assert verify["chain acceptance op"] > 0 and "emitted tokens" not in verify and "acceptance" not in verify, verify

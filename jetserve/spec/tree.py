@@ -192,7 +192,7 @@ def chain_tree(
     drafter's), the parents, depths and mask — the shape's alone — are made once and served from there (read-only)."""
     num_seqs, num_nodes = tokens.shape
     device = tokens.device
-    constants = constants or ShapeConstants()
+    constants = ShapeConstants() if constants is None else constants  # (an empty cache is falsy: `len`)
     depth = constants.arange(num_nodes, device)  # [T_d]
     parents = constants.get(("chain parents", num_seqs, num_nodes), device,
                             lambda: (depth - 1).to(torch.int32).expand(num_seqs, -1).contiguous())  # fmt: skip

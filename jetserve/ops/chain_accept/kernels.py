@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.chain_accept.reference import check_chain_args
+from jetserve.ops.chain_accept.reference import Accepted, Forced, check_chain_args
 from jetserve.ops.layout import dense
 
 
@@ -52,11 +52,8 @@ def _chain_accept_emit_kernel(
 
 
 def chain_accept_emit(
-    target: torch.Tensor,
-    tokens: torch.Tensor,
-    slots: torch.Tensor,
-    forced: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    target: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, forced: Forced = None
+) -> Accepted:
     """See `reference.chain_accept_emit`."""
     check_chain_args(target, tokens, slots, forced)
     num_seqs, num_nodes = tokens.shape

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+Forced = tuple[torch.Tensor, torch.Tensor] | None  # (num_accepted [N], bonus [N]) replacing the acceptance
+Accepted = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # (accepted, num_accepted, bonus, result)
 
-def check_chain_args(
-    target: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, forced: tuple[torch.Tensor, torch.Tensor] | None
-) -> None:
+
+def check_chain_args(target: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, forced: Forced) -> None:
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ValueError(f"chain_accept_emit: tokens must be [N, T_d] with T_d ≥ 1, got {tuple(tokens.shape)}")
     num_seqs = tokens.shape[0]
@@ -24,11 +25,8 @@ def check_chain_args(
 
 
 def chain_accept_emit(
-    target: torch.Tensor,
-    tokens: torch.Tensor,
-    slots: torch.Tensor,
-    forced: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    target: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, forced: Forced = None
+) -> Accepted:
     """Greedy acceptance of one chain per row and what the step emits, from the target's greedy tokens.
 
     target [N, T_d] int64: the target's argmax at each node; tokens [N, T_d]: the chain (node 0 the root, the last

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from jetserve.spec.constants import ShapeConstants
 from jetserve.spec.tree import DraftLevel, build_draft_tree, chain_tree, expand_frontier, first_level
 
 
@@ -117,3 +118,17 @@ def test_bad_sizes_are_errors():
         build_draft_tree(torch.tensor([1, 2]), levels, 8, torch.tensor([0, 0]))  # only 6 candidates
     with pytest.raises(ValueError, match="root_positions"):
         build_draft_tree(torch.tensor([1, 2]), levels, 3, torch.tensor([0]))
+
+
+def test_chain_tree_serves_its_shape_tensors_from_the_constants():
+    """With the drafter's constants (empty at first, as a new drafter's), two chains of one shape share their parents,
+    depths and mask — made once — and equal the chain built without them."""
+    constants = ShapeConstants()
+    tokens = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    first = chain_tree(tokens, torch.tensor([3, 9]), constants=constants)
+    second = chain_tree(tokens + 1, torch.tensor([0, 2]), constants=constants)
+    plain = chain_tree(tokens, torch.tensor([3, 9]))
+    for name in ("parents", "depths", "mask"):
+        assert getattr(first, name) is getattr(second, name), name
+        assert torch.equal(getattr(first, name), getattr(plain, name)), name
+    assert torch.equal(second.positions, torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]]))

@@ -1,9 +1,10 @@
 """The glue of a VERIFY step: the kernel-launching torch ops outside the target and draft forwards and the commit,
 counted on the CPU with the default model and its draft (fp32, reference backend, chain shape 0, the graph-free path)
-and grouped by part: the batch, K/V metadata, logits, acceptance, emitted tokens, the draft's catch-up and its feature
-projection. Each is one small kernel in the verify CUDA graph, so the count is what the glue's launches cost in
-kernels. With --draft-shapes, a draft step's too (one `draft_tree` call at batch 1, outside the draft's forward).
-There is no roofline: a count, not a time. One JSON line per (batch size, part) and per draft shape with --json.
+and grouped by part: the batch, K/V metadata, logits, the chain acceptance op (acceptance, emitted tokens and the result
+row), the draft's catch-up and its feature projection. Each is one small kernel in the verify CUDA graph (the K/V
+metadata and chain acceptance ops one launch each), so the count is what the glue's launches cost in kernels. With
+--draft-shapes, a draft step's too (one `draft_tree` call at batch 1, outside the draft's forward). There is no
+roofline: a count, not a time. One JSON line per (batch size, part) and per draft shape with --json.
 Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--draft-shapes 1x6x7,2x3x8] [--json FILE]
 """
 

@@ -119,23 +119,23 @@ class Verifier:
         hidden = self.model(fb)  # [N*T_d, H]
         aux = list(self.model.aux_hidden_states)
         logits = self.model.compute_logits(hidden).view(num_seqs, num_nodes, -1)  # [N, T_d, V]
+        result = None
         if sampling is None and is_chain:  # one launch after the argmax; padded rows (slot 0) commit nothing
             given = None if forced is None else forced[1:]  # a chain's accepted nodes follow from their count
             accepted, num_accepted, bonus, result = chain_accept_emit(
                 argmax(logits), tree.tokens, fb.state_indices, given
             )
-            self.model.commit_verified(fb, accepted, num_accepted)
-            return VerifyOutput(accepted, num_accepted, bonus, aux, result)
-        if sampling is None:
-            accepted, num_accepted, bonus = tree_accept_greedy(logits, tree.tokens, tree.parents)
         else:
-            accepted, num_accepted, bonus = tree_accept(
-                logits, tree.tokens, tree.parents, sampling.temperature, sampling.top_k, sampling.top_p,
-                sampling.min_p, sampling.seeds, sampling.counters,
-            )  # fmt: skip
-        if forced is not None:
-            accepted, num_accepted, bonus = forced
-        # Padded rows (slot 0) commit nothing.
-        num_accepted = torch.where(fb.state_indices > 0, num_accepted, 0)
+            if sampling is None:
+                accepted, num_accepted, bonus = tree_accept_greedy(logits, tree.tokens, tree.parents)
+            else:
+                accepted, num_accepted, bonus = tree_accept(
+                    logits, tree.tokens, tree.parents, sampling.temperature, sampling.top_k, sampling.top_p,
+                    sampling.min_p, sampling.seeds, sampling.counters,
+                )  # fmt: skip
+            if forced is not None:
+                accepted, num_accepted, bonus = forced
+            # Padded rows (slot 0) commit nothing.
+            num_accepted = torch.where(fb.state_indices > 0, num_accepted, 0)
         self.model.commit_verified(fb, accepted, num_accepted)
-        return VerifyOutput(accepted, num_accepted, bonus, aux)
+        return VerifyOutput(accepted, num_accepted, bonus, aux, result)

@@ -1,11 +1,12 @@
 """The glue of a VERIFY step: the kernel-launching torch ops outside the target and draft forwards and the commit,
-counted on the CPU with the default model and its draft (fp32, reference backend, chain shape 0, the graph-free path)
-and grouped by part: the batch, K/V metadata, logits, the chain acceptance op (acceptance, emitted tokens and the result
-row), the draft's catch-up and its feature projection. Each is one small kernel in the verify CUDA graph (the K/V
-metadata and chain acceptance ops one launch each), so the count is what the glue's launches cost in kernels. With
---draft-shapes, a draft step's too (one `draft_tree` call at batch 1, outside the draft's forward). There is no
-roofline: a count, not a time. One JSON line per (batch size, part) and per draft shape with --json.
-Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--draft-shapes 1x6x7,2x3x8] [--json FILE]
+counted on the CPU with the default model and its draft (fp32, reference backend, the graph-free path; the default
+chain shape, or --verify-shape's tree) and grouped by part: the batch, K/V metadata, logits, the acceptance op (chain
+or tree: acceptance, emitted tokens and the result row), the draft's catch-up and its feature projection. Each is one
+small kernel in the verify CUDA graph (the K/V metadata and acceptance ops one launch each), so the count is what the
+glue's launches cost in kernels. With --draft-shapes, a draft step's too (one `draft_tree` call at batch 1, outside the
+draft's forward). There is no roofline: a count, not a time. One JSON line per (batch size, part) and per draft shape
+with --json.
+Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--verify-shape 2x3x8] [--draft-shapes 1x6x7,2x3x8] [--json FILE]
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from jetserve.assets import resolve_checkpoint
 from jetserve.llm import LLM
 from jetserve.ops.chain_accept import reference as chain_accept_reference
 from jetserve.ops.kv_metadata import reference as kv_metadata_reference
+from jetserve.ops.tree_accept import reference as tree_accept_reference
 from jetserve.sampling_params import SamplingParams
-from jetserve.spec import verifier as verifier_module
 from jetserve.spec.verifier import VerifyOutput
 
 # aten ops that launch no kernel of their own (views, metadata, dtype no-ops) or only dispatch to others
@@ -38,8 +39,9 @@ NON_KERNELS = {
     ).split()
 }
 LEFT_OUT = ("target forward", "draft forward", "commit")
-# parts counted here in their reference's ops that are one launch each on the GPU: `ops.kv_metadata`, `ops.chain_accept`
-ONE_LAUNCH = ("K/V metadata op", "chain acceptance op")
+# parts counted here in their reference's ops that are one launch each on the GPU: `ops.kv_metadata`,
+# `ops.chain_accept`, `ops.tree_accept`
+ONE_LAUNCH = ("K/V metadata op", "chain acceptance op", "tree acceptance op")
 
 
 def _labelled(obj: object, name: str, label: str) -> None:
@@ -105,9 +107,12 @@ def count_draft_glue(topk: int, steps: int, nodes: int) -> collections.Counter:
     return _leaf_ops(prof, {"draft forward"}, rest="draft glue")["draft glue"]
 
 
-def count_glue(batch_size: int) -> dict[str, collections.Counter]:
-    """{part: Counter of aten op → launches} for one chain verify step of `batch_size` greedy sequences."""
-    spec, (roots, prefix, slots) = _speculating(batch_size)
+def count_glue(batch_size: int, shape: tuple[int, int, int] | None = None) -> dict[str, collections.Counter]:
+    """{part: Counter of aten op → launches} for one verify step of `batch_size` greedy sequences: the default
+    (chain) shape, or `shape` = (topk, steps, nodes)."""
+    names = ("spec_topk", "spec_steps", "spec_num_draft_tokens")
+    spec_shape = {} if shape is None else dict(zip(names, shape, strict=True))
+    spec, (roots, prefix, slots) = _speculating(batch_size, **spec_shape)
     parts = {
         (spec.verifier.model, "forward"): "target forward",
         (spec.draft, "forward"): "draft forward",
@@ -121,10 +126,10 @@ def count_glue(batch_size: int) -> dict[str, collections.Counter]:
     }
     for (obj, name), label in parts.items():
         _labelled(obj, name, label)
-    _labelled(verifier_module, "tree_accept_greedy", "acceptance")
     _labelled(kv_metadata_reference, "kv_metadata", ONE_LAUNCH[0])
     _labelled(chain_accept_reference, "chain_accept_emit", ONE_LAUNCH[1])
-    labels = set(parts.values()) | {"acceptance", *ONE_LAUNCH}
+    _labelled(tree_accept_reference, "tree_accept_emit", ONE_LAUNCH[2])
+    labels = set(parts.values()) | set(ONE_LAUNCH)
     with torch.inference_mode():
         tree = spec.draft_tree(0, roots, prefix, slots)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -132,22 +137,33 @@ def count_glue(batch_size: int) -> dict[str, collections.Counter]:
     return _leaf_ops(prof, labels)
 
 
+def _shapes(p: argparse.ArgumentParser, flag: str, text: str) -> list[tuple[int, int, int]]:
+    """TOPKxSTEPSxNODES, comma-separated → [(topk, steps, nodes)], or the parser's one-line error."""
+    try:
+        shapes = [tuple(map(int, shape.split("x"))) for shape in filter(None, text.split(","))]
+    except ValueError:
+        shapes = [()]
+    if any(len(shape) != 3 for shape in shapes):
+        p.error(f"{flag} {text!r}: want TOPKxSTEPSxNODES, comma-separated (e.g. 1x6x7,2x3x8)")
+    return shapes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1")
+    p.add_argument("--verify-shape", default="", help="the verify step's tree, TOPKxSTEPSxNODES (default: the chain)")
     p.add_argument("--draft-shapes", default="", help="also a draft step's glue at batch 1: TOPKxSTEPSxNODES, ...")
     p.add_argument("--json")
     args = p.parse_args()
-    try:
-        draft_shapes = [tuple(map(int, shape.split("x"))) for shape in filter(None, args.draft_shapes.split(","))]
-    except ValueError:
-        draft_shapes = [()]
-    if any(len(shape) != 3 for shape in draft_shapes):
-        p.error(f"--draft-shapes {args.draft_shapes!r}: want TOPKxSTEPSxNODES, comma-separated (e.g. 1x6x7,2x3x8)")
+    draft_shapes = _shapes(p, "--draft-shapes", args.draft_shapes)
+    verify_shape = (_shapes(p, "--verify-shape", args.verify_shape) or [None])[0]
     torch.set_num_threads(1)
     out = open(args.json, "a") if args.json else None
     for batch_size in map(int, args.batch_sizes.split(",")):
-        counts = count_glue(batch_size)
+        try:
+            counts = count_glue(batch_size, verify_shape)
+        except ValueError as e:  # a tree shape the engine refuses
+            p.error(f"--verify-shape {args.verify_shape}: {e}")
         glue = {part: c for part, c in counts.items() if part not in LEFT_OUT}
         total = sum(sum(c.values()) for c in glue.values())
         launches = total - sum(sum(glue.get(part, {}).values()) - (part in glue) for part in ONE_LAUNCH)
@@ -158,7 +174,8 @@ def main() -> None:
         for part, c in sorted(glue.items(), key=lambda kv: -sum(kv[1].values())):
             print(f"{part:20s} {sum(c.values()):4d}  " + ", ".join(f"{op}×{n}" for op, n in c.most_common(8)))
             if out:
-                row = {"batch_size": batch_size, "part": part, "ops": sum(c.values()), "by_op": dict(c)}
+                row = {"batch_size": batch_size, "part": part, "ops": sum(c.values()), "by_op": dict(c),
+                       "verify_shape": args.verify_shape or "default"}  # fmt: skip
                 out.write(json.dumps(row) + "\n")
     for topk, steps, nodes in draft_shapes:
         shape = f"{topk}x{steps}x{nodes}"

@@ -571,7 +571,7 @@ class SpecDecoder:
             tree, out.accepted_nodes, out.num_accepted, emitted, out.aux_hidden_states, kv, is_chain=is_chain
         )  # [N, H]
         self.last_hidden[slots] = hidden
-        if out.result is not None:  # made by the acceptance (greedy chains)
+        if out.result is not None:  # made by the acceptance (greedy)
             return out.result
         depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]
         return torch.cat([emitted, out.num_accepted.long()[:, None], depth], dim=1)

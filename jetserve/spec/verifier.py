@@ -12,7 +12,8 @@ import torch
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.ops.chain_accept import chain_accept_emit
-from jetserve.ops.sampling import argmax, tree_accept, tree_accept_greedy
+from jetserve.ops.sampling import argmax, tree_accept
+from jetserve.ops.tree_accept import tree_accept_emit
 from jetserve.spec.constants import ShapeConstants
 from jetserve.spec.tree import DraftTree
 
@@ -42,7 +43,7 @@ class VerifyOutput:
     bonus: torch.Tensor  # [N] int64: the next token after the accepted path (the next tree's root)
     aux_hidden_states: list[torch.Tensor]  # the target's features at every node (one [N*T_d, H] per capture layer)
     # [N, T_d + 2] int64 or None: the step's result row (emitted tokens, num_accepted, the tree's depth), where the
-    # acceptance made it (greedy chains, `chain_accept_emit`)
+    # acceptance made it (greedy acceptance: `chain_accept_emit`, `tree_accept_emit`)
     result: torch.Tensor | None = None
 
     def emitted_tokens(self, tree: DraftTree) -> torch.Tensor:
@@ -111,10 +112,10 @@ class Verifier:
         """Run the target over the trees, accept (greedy when `sampling` is None, else per row as `tree_accept`),
         and commit the accepted paths. Draft probabilities are not used: EAGLE's top-k children are deterministic
         proposals, for which point-mass acceptance keeps the target distribution exactly. `is_chain`: every tree is
-        a chain (topk = 1), accepted greedily with its result row in one launch after the argmax
-        (`chain_accept_emit`). `forced` (benchmarks' forced acceptance "all"): the (accepted, num_accepted, bonus)
-        that replace the acceptance's result; the acceptance still runs (for a chain, the same launch given the
-        counts), so the step costs what a real one does."""
+        a chain (topk = 1). Greedy acceptance and its result row are one launch after the argmax (`chain_accept_emit`
+        for chains, `tree_accept_emit` for trees). `forced` (benchmarks' forced acceptance "all"): the (accepted,
+        num_accepted, bonus) that replace the acceptance's result; the acceptance still runs (greedy: the same launch
+        given them), so the step costs what a real one does."""
         num_seqs, num_nodes = tree.tokens.shape
         hidden = self.model(fb)  # [N*T_d, H]
         aux = list(self.model.aux_hidden_states)
@@ -125,14 +126,15 @@ class Verifier:
             accepted, num_accepted, bonus, result = chain_accept_emit(
                 argmax(logits), tree.tokens, fb.state_indices, given
             )
+        elif sampling is None:  # the same for a tree, from its ancestor mask
+            accepted, num_accepted, bonus, result = tree_accept_emit(
+                argmax(logits), tree.tokens, tree.parents, tree.depths, tree.mask, fb.state_indices, forced
+            )
         else:
-            if sampling is None:
-                accepted, num_accepted, bonus = tree_accept_greedy(logits, tree.tokens, tree.parents)
-            else:
-                accepted, num_accepted, bonus = tree_accept(
-                    logits, tree.tokens, tree.parents, sampling.temperature, sampling.top_k, sampling.top_p,
-                    sampling.min_p, sampling.seeds, sampling.counters,
-                )  # fmt: skip
+            accepted, num_accepted, bonus = tree_accept(
+                logits, tree.tokens, tree.parents, sampling.temperature, sampling.top_k, sampling.top_p,
+                sampling.min_p, sampling.seeds, sampling.counters,
+            )  # fmt: skip
             if forced is not None:
                 accepted, num_accepted, bonus = forced
             # Padded rows (slot 0) commit nothing.

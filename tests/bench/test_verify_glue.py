@@ -1,7 +1,8 @@
 """bench/verify_glue.py's draft-step count (CPU, the default pair): one draft step of a chain launches none of the
 shape-only kernels that `spec.constants` serves (its aranges, fills of -1 and 0, the causal triangle), and the
 script's JSON lines carry the counts (before the constants, a chain-6 step had 11 aranges, 21 fills and 5 triangles);
-a greedy chain's verify step makes its emitted tokens and result row in the acceptance op."""
+a greedy chain's verify step makes its emitted tokens and result row in the acceptance op, and a greedy tree's in the
+tree acceptance op."""
 
 import json
 import os
@@ -12,13 +13,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
+def _rows(tmp_path, *flags: str) -> list[dict]:
     out = tmp_path / "glue.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "bench/verify_glue.py", "--batch-sizes", "1", "--draft-shapes", "1x6x7", "--json", str(out)]
+    cmd = [sys.executable, "bench/verify_glue.py", "--batch-sizes", "1", *flags, "--json", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
+    rows = _rows(tmp_path, "--draft-shapes", "1x6x7")
     (draft,) = [r for r in rows if r.get("draft_shape") == "1x6x7"]
     ops = draft["by_op"]
     assert draft["ops"] > 0 and "tril" not in ops and "arange" not in ops, ops  # the chain tree's shape: constants
@@ -29,3 +34,12 @@ def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
     # a greedy chain's acceptance, emitted tokens and result row: `ops.chain_accept` (one launch on a GPU), nothing
     # after it
     assert verify["chain acceptance op"] > 0 and "emitted tokens" not in verify and "acceptance" not in verify, verify
+
+
+def test_a_tree_verify_step_accepts_and_emits_in_one_op(tmp_path):
+    """Before `ops.tree_accept`, a tree-8 step's node walk, emitted tokens and result row were ~150 launches."""
+    rows = _rows(tmp_path, "--verify-shape", "2x3x8")
+    verify = {r["part"]: r["ops"] for r in rows if r.get("batch_size") == 1}
+    assert all(r["verify_shape"] == "2x3x8" for r in rows)
+    assert verify["tree acceptance op"] > 0 and "chain acceptance op" not in verify, verify
+    assert "emitted tokens" not in verify and verify["verify (rest)"] <= 4, verify  # argmax, the hidden-state store

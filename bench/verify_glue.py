@@ -24,6 +24,7 @@ from jetserve.llm import LLM
 from jetserve.ops.chain_accept import reference as chain_accept_reference
 from jetserve.ops.kv_metadata import reference as kv_metadata_reference
 from jetserve.ops.tree_accept import reference as tree_accept_reference
+from jetserve.ops.tree_select import reference as tree_select_reference
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.verifier import VerifyOutput
 
@@ -42,6 +43,7 @@ LEFT_OUT = ("target forward", "draft forward", "commit")
 # parts counted here in their reference's ops that are one launch each on the GPU: `ops.kv_metadata`,
 # `ops.chain_accept`, `ops.tree_accept`
 ONE_LAUNCH = ("K/V metadata op", "chain acceptance op", "tree acceptance op")
+TREE_SELECTION = "tree selection op"  # a draft step's `ops.tree_select`, counted as its one launch
 
 
 def _labelled(obj: object, name: str, label: str) -> None:
@@ -98,13 +100,18 @@ def _leaf_ops(prof, labels: set[str], rest: str = "verify (rest)") -> dict[str, 
 
 def count_draft_glue(topk: int, steps: int, nodes: int) -> collections.Counter:
     """Counter of aten op → launches of one `draft_tree` call (batch 1, the tree shape given) outside the draft's
-    forward: the levels' batches, selection and tree building (with the reference ops of the draft's norm and top-1,
-    which are Triton kernels on a GPU)."""
+    forward: the levels' batches and candidates, and the tree selection op as its one launch (with the reference ops of
+    the draft's norm and top-1, which are Triton kernels on a GPU)."""
     spec, (roots, prefix, slots) = _speculating(1, spec_topk=topk, spec_steps=steps, spec_num_draft_tokens=nodes)
     _labelled(spec.draft, "forward", "draft forward")
+    _labelled(tree_select_reference, "select_tree", TREE_SELECTION)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         spec.draft_tree(0, roots, prefix, slots)
-    return _leaf_ops(prof, {"draft forward"}, rest="draft glue")["draft glue"]
+    counts = _leaf_ops(prof, {"draft forward", TREE_SELECTION}, rest="draft glue")
+    glue = counts["draft glue"]
+    if TREE_SELECTION in counts:  # one launch on the GPU
+        glue[TREE_SELECTION] = 1
+    return glue
 
 
 def count_glue(batch_size: int, shape: tuple[int, int, int] | None = None) -> dict[str, collections.Counter]:

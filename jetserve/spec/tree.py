@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from jetserve.ops.tree_select import select_tree
 from jetserve.spec.constants import ShapeConstants
 
 
@@ -104,66 +105,35 @@ def build_draft_tree(
     root_tokens [N] (the last committed token of each sequence), levels[d] the candidates at depth d + 1 (level 0's
     parents are the root), root_positions [N] (the root's RoPE position). A node's score is first capped at its
     parent's, so a kept node's ancestors always rank at least as high and are kept too (ties go to the shallower
-    node). With one candidate per level (topk = 1) the tree is a chain. No host synchronisation, no loop over N.
+    node). With one candidate per level (topk = 1) the tree is a chain. The levels are concatenated here and the
+    selection is `ops.tree_select` (one launch on a GPU). No host synchronisation, no loop over N.
     """
     if not levels:
         raise ValueError("build_draft_tree: need at least one draft level")
     num_seqs = root_tokens.shape[0]
     device = root_tokens.device
-    num_candidates = sum(level.tokens.shape[1] for level in levels)
-    if not 1 <= num_draft_tokens <= num_candidates + 1:
-        raise ValueError(
-            f"num_draft_tokens: {num_draft_tokens} must be in [1, {num_candidates + 1}] (root + the {num_candidates} "
-            f"drafted candidates)"
-        )
     if root_positions.shape != (num_seqs,):
         raise ValueError(f"build_draft_tree: root_positions must be [N] = [{num_seqs}], got {root_positions.shape}")
 
     # Concatenate the levels; a candidate's parent becomes a global candidate index (-1 = the root).
-    tokens, scores, parents, depths = [], [], [], []
-    offset, previous_scores = 0, None
+    parents, offset = [], 0
     for d, level in enumerate(levels):
         width = level.tokens.shape[1]
         if level.tokens.shape != (num_seqs, width) or level.scores.shape != level.tokens.shape:
             raise ValueError(f"build_draft_tree: level {d} tokens and scores must be [N, C], got {level.tokens.shape}")
-        level_scores = level.scores.float()  # [N, C]
         if d == 0:
-            parent = torch.full((num_seqs, width), -1, dtype=torch.long, device=device)
+            parents.append(torch.full((num_seqs, width), -1, dtype=torch.long, device=device))
         else:
             if level.parents.shape != level.tokens.shape:
                 raise ValueError(f"build_draft_tree: level {d} parents must be [N, C], got {level.parents.shape}")
-            local = level.parents.long()  # [N, C]
-            level_scores = torch.minimum(level_scores, previous_scores.gather(1, local))
-            parent = local + (offset - levels[d - 1].tokens.shape[1])
-        tokens.append(level.tokens.long())
-        scores.append(level_scores)
-        parents.append(parent)
-        depths.append(torch.full((num_seqs, width), d + 1, dtype=torch.int32, device=device))
-        previous_scores = level_scores
+            parents.append(level.parents.long() + (offset - levels[d - 1].tokens.shape[1]))
         offset += width
-    all_tokens = torch.cat(tokens, dim=1)  # [N, M]
-    all_scores = torch.cat(scores, dim=1)  # [N, M]
-    all_parents = torch.cat(parents, dim=1)  # [N, M] global index, -1 = root
-    all_depths = torch.cat(depths, dim=1)  # [N, M]
-
-    # Best T_d - 1 by score, then back in candidate order: level by level, so parents precede children.
-    _, chosen = _stable_top(all_scores, num_draft_tokens - 1)  # [N, T_d - 1]
-    chosen = chosen.sort(dim=1).values
-    node_of = torch.full((num_seqs, num_candidates + 1), -1, dtype=torch.long, device=device)  # [N, M + 1]
-    node_ids = torch.arange(1, num_draft_tokens, device=device).expand(num_seqs, -1)  # [N, T_d - 1]
-    node_of.scatter_(1, chosen, node_ids)
-    node_of[:, num_candidates] = 0  # the root, addressed as candidate -1
-    parent_global = all_parents.gather(1, chosen)  # [N, T_d - 1]
-    parent_nodes = node_of.gather(1, torch.where(parent_global < 0, num_candidates, parent_global))
-
-    root_col = torch.zeros(num_seqs, 1, dtype=torch.long, device=device)
-    tree_tokens = torch.cat([root_tokens.long()[:, None], all_tokens.gather(1, chosen)], dim=1)  # [N, T_d]
-    tree_parents = torch.cat([root_col - 1, parent_nodes], dim=1).to(torch.int32)  # [N, T_d]
-    tree_depths = torch.cat([root_col.int(), all_depths.gather(1, chosen)], dim=1)  # [N, T_d]
-    tree_scores = torch.cat([root_col.float(), all_scores.gather(1, chosen)], dim=1)  # [N, T_d]
-    mask = ancestor_mask(tree_parents, num_levels=len(levels))
-    positions = root_positions.long()[:, None] + tree_depths.long()  # [N, T_d]
-    return DraftTree(tree_tokens, tree_parents, tree_depths, mask, positions, tree_scores)
+    tokens = torch.cat([level.tokens for level in levels], dim=1)  # [N, M]
+    scores = torch.cat([level.scores.float() for level in levels], dim=1)  # [N, M]
+    fields = select_tree(
+        root_tokens, tokens, scores, torch.cat(parents, dim=1), num_draft_tokens, root_positions, len(levels)
+    )
+    return DraftTree(*fields)
 
 
 def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:

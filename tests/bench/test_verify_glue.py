@@ -1,8 +1,8 @@
 """bench/verify_glue.py's draft-step count (CPU, the default pair): one draft step of a chain launches none of the
 shape-only kernels that `spec.constants` serves (its aranges, fills of -1 and 0, the causal triangle), and the
 script's JSON lines carry the counts (before the constants, a chain-6 step had 11 aranges, 21 fills and 5 triangles);
-a greedy chain's verify step makes its emitted tokens and result row in the acceptance op, and a greedy tree's in the
-tree acceptance op."""
+a greedy chain's verify step makes its emitted tokens and result row in the acceptance op, a greedy tree's in the tree
+acceptance op, and a tree's draft step selects its nodes in the tree selection op."""
 
 import json
 import os
@@ -36,10 +36,14 @@ def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
     assert verify["chain acceptance op"] > 0 and "emitted tokens" not in verify and "acceptance" not in verify, verify
 
 
-def test_a_tree_verify_step_accepts_and_emits_in_one_op(tmp_path):
-    """Before `ops.tree_accept`, a tree-8 step's node walk, emitted tokens and result row were ~150 launches."""
-    rows = _rows(tmp_path, "--verify-shape", "2x3x8")
+def test_a_tree_step_accepts_in_one_op_and_selects_in_one_op(tmp_path):
+    """Before `ops.tree_accept`, a tree-8 verify step's node walk, emitted tokens and result row were ~150 launches;
+    before `ops.tree_select`, its draft step's selection and ancestor mask ~85 (162 ops in all, 85 after)."""
+    rows = _rows(tmp_path, "--verify-shape", "2x3x8", "--draft-shapes", "2x3x8")
+    (draft,) = [r for r in rows if r.get("draft_shape") == "2x3x8"]
+    ops = draft["by_op"]
+    assert ops["tree selection op"] == 1 and "scatter_" not in ops and draft["ops"] < 100, ops  # scatter_: 4 before
     verify = {r["part"]: r["ops"] for r in rows if r.get("batch_size") == 1}
-    assert all(r["verify_shape"] == "2x3x8" for r in rows)
+    assert all(r["verify_shape"] == "2x3x8" for r in rows if "batch_size" in r)
     assert verify["tree acceptance op"] > 0 and "chain acceptance op" not in verify, verify
     assert "emitted tokens" not in verify and verify["verify (rest)"] <= 4, verify  # argmax, the hidden-state store

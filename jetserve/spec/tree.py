@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetserve.ops.tree_select import select_tree
+from jetserve.ops.tree_select import Candidates, select_tree
 from jetserve.spec.constants import ShapeConstants
 
 
@@ -130,10 +130,8 @@ def build_draft_tree(
         offset += width
     tokens = torch.cat([level.tokens for level in levels], dim=1)  # [N, M]
     scores = torch.cat([level.scores.float() for level in levels], dim=1)  # [N, M]
-    fields = select_tree(
-        root_tokens, tokens, scores, torch.cat(parents, dim=1), num_draft_tokens, root_positions, len(levels)
-    )
-    return DraftTree(*fields)
+    candidates = Candidates(root_tokens, tokens, scores, torch.cat(parents, dim=1), root_positions)
+    return DraftTree(*select_tree(candidates, num_draft_tokens, max_depth=len(levels)))
 
 
 def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:

@@ -127,9 +127,7 @@ class Verifier:
                 argmax(logits), tree.tokens, fb.state_indices, given
             )
         elif sampling is None:  # the same for a tree, from its ancestor mask
-            accepted, num_accepted, bonus, result = tree_accept_emit(
-                argmax(logits), tree.tokens, tree.parents, tree.depths, tree.mask, fb.state_indices, forced
-            )
+            accepted, num_accepted, bonus, result = tree_accept_emit(argmax(logits), tree, fb.state_indices, forced)
         else:
             accepted, num_accepted, bonus = tree_accept(
                 logits, tree.tokens, tree.parents, sampling.temperature, sampling.top_k, sampling.top_p,

@@ -1,7 +1,6 @@
 """Chain acceptance with the verify step's result rows (`ops.chain_accept`): the reference against the composition it
 replaces (`tree_accept_greedy` on the chain, the padding rows' zero count, `VerifyOutput.emitted_tokens` and the result
-row), and
-the Triton launch against the reference on chains of awkward lengths with padded rows, forced counts and
+row), and the Triton launch against the reference on chains of awkward lengths with padded rows, forced counts and
 sentinel-filled outputs."""
 
 from __future__ import annotations
@@ -9,13 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetserve import envs
 from jetserve.ops.chain_accept import reference as ref
 from jetserve.ops.sampling import tree_accept_greedy
 from jetserve.spec.tree import chain_tree
 from jetserve.spec.verifier import VerifyOutput
-
-SENTINEL = -12345  # what every new integer tensor holds in the kernel tests: an output left unwritten cannot pass
 
 
 def chains(
@@ -88,21 +84,7 @@ def test_bad_arguments_are_one_line_errors() -> None:
         ref.chain_accept_emit(target[:, :0], tokens[:, :0], slots)
 
 
-@pytest.fixture
-def kernels(monkeypatch: pytest.MonkeyPatch):
-    """The Triton module, with every new integer tensor (its outputs) filled with SENTINEL."""
-    if not torch.cuda.is_available() and not envs.triton_interpret():
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    from jetserve.ops.chain_accept import kernels as module
-
-    empty = torch.empty
-
-    def sentinel_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t if t.is_floating_point() else t.fill_(SENTINEL)
-
-    monkeypatch.setattr(torch, "empty", sentinel_empty)
-    return module
+KERNELS = "jetserve.ops.chain_accept.kernels"  # the module `op_kernels` (tests/ops/conftest.py) imports
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +92,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("forced", [False, True])
 @pytest.mark.parametrize("num_seqs, num_nodes", [(1, 1), (3, 2), (5, 7), (6, 9), (2, 14)])
-def test_kernel_matches_reference(kernels, num_seqs: int, num_nodes: int, forced: bool) -> None:
+def test_kernel_matches_reference(op_kernels, num_seqs: int, num_nodes: int, forced: bool) -> None:
     target, tokens, slots = chains(num_seqs, num_nodes, seed=10 + num_nodes)
     extra = None
     if forced:
@@ -118,16 +100,16 @@ def test_kernel_matches_reference(kernels, num_seqs: int, num_nodes: int, forced
         extra = (torch.randint(1, num_nodes + 1, (num_seqs,), generator=gen), torch.randint(0, 50, (num_seqs,)))
     want = ref.chain_accept_emit(target, tokens, slots, extra)
     moved = [t.to(DEVICE) for t in (target, tokens, slots)]
-    got = kernels.chain_accept_emit(*moved, None if extra is None else tuple(t.to(DEVICE) for t in extra))
+    got = op_kernels.chain_accept_emit(*moved, None if extra is None else tuple(t.to(DEVICE) for t in extra))
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
 
 
-def test_kernel_takes_strided_tokens(kernels) -> None:
+def test_kernel_takes_strided_tokens(op_kernels) -> None:
     """tokens as a column slice (the forced modes build the chain with a cat; a caller may pass a view)."""
     target, tokens, slots = chains(4, 5, seed=2)
     wide = torch.cat([tokens, tokens], dim=1)[:, :5]
-    got = kernels.chain_accept_emit(target.to(DEVICE), wide.to(DEVICE), slots.to(DEVICE))
+    got = op_kernels.chain_accept_emit(target.to(DEVICE), wide.to(DEVICE), slots.to(DEVICE))
     for g, w in zip(got, ref.chain_accept_emit(target, tokens, slots), strict=True):
         assert torch.equal(g.cpu(), w)
 
@@ -135,8 +117,8 @@ def test_kernel_takes_strided_tokens(kernels) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_seqs, num_nodes", [(1, 7), (16, 7), (64, 4), (256, 8)])
-def test_gpu_kernel_matches_reference_at_verify_shapes(kernels, num_seqs: int, num_nodes: int) -> None:
+def test_gpu_kernel_matches_reference_at_verify_shapes(op_kernels, num_seqs: int, num_nodes: int) -> None:
     target, tokens, slots = chains(num_seqs, num_nodes, seed=num_seqs, vocab=151936)
-    got = kernels.chain_accept_emit(target.cuda(), tokens.cuda(), slots.cuda())
+    got = op_kernels.chain_accept_emit(target.cuda(), tokens.cuda(), slots.cuda())
     for g, w in zip(got, ref.chain_accept_emit(target, tokens, slots), strict=True):
         assert torch.equal(g.cpu(), w)

@@ -9,16 +9,14 @@ import math
 import pytest
 import torch
 
-from jetserve import envs
 from jetserve.ops.tree_select import reference as ref
+from jetserve.ops.tree_select.reference import Candidates
 
-SENTINEL = -12345  # what every new integer tensor holds in the kernel tests (floats NaN, masks True or False)
 
-
-def candidates(num_seqs: int, topk: int, steps: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """(root_tokens [N], tokens, scores, parents [N, M], root_positions [N]) for `steps` levels of `topk` candidates
-    then topk² per level, each child of a random candidate of the level before; scores are cumulative log-probs
-    rounded to a coarse grid (so that ties occur), one in seven -inf below its parent."""
+def candidates(num_seqs: int, topk: int, steps: int, seed: int) -> Candidates:
+    """Candidates (root_tokens [N], tokens, scores, parents [N, M], root_positions [N]) for `steps` levels of `topk`
+    candidates then topk² per level, each child of a random candidate of the level before; scores are cumulative
+    log-probs rounded to a coarse grid (so that ties occur), one in seven -inf below its parent."""
     gen = torch.Generator().manual_seed(seed)
     widths = [topk] + [topk * topk] * (steps - 1)
     parents, own = [], []
@@ -38,11 +36,13 @@ def candidates(num_seqs: int, topk: int, steps: int, seed: int) -> tuple[torch.T
         has = parents[:, c] >= 0
         scores[has, c] += scores[has, parents[has, c]]
     tokens = torch.randint(0, 1000, own.shape, generator=gen)
-    return torch.randint(0, 1000, (num_seqs,), generator=gen), tokens, scores, parents, torch.arange(num_seqs) * 7
+    root = torch.randint(0, 1000, (num_seqs,), generator=gen)
+    return Candidates(root, tokens, scores, parents, torch.arange(num_seqs) * 7)
 
 
-def loop_select(root_tokens, tokens, scores, parents, num_draft_tokens, root_positions) -> list[dict]:
+def loop_select(candidates: Candidates, num_draft_tokens: int) -> list[dict]:
     """The rules one row at a time in Python: per row {token, parent, depth, ancestors, position, score} by node."""
+    root_tokens, tokens, scores, parents, root_positions = candidates
     rows = []
     for i in range(tokens.shape[0]):
         num = tokens.shape[1]
@@ -73,10 +73,10 @@ def loop_select(root_tokens, tokens, scores, parents, num_draft_tokens, root_pos
 @pytest.mark.parametrize("topk, steps, num_draft_tokens", [(2, 3, 8), (1, 4, 5), (3, 2, 12), (4, 3, 9), (2, 1, 2)])
 def test_reference_keeps_the_rules_by_row(topk: int, steps: int, num_draft_tokens: int) -> None:
     args = candidates(5, topk, steps, seed=topk * 10 + steps)
-    tokens, parents, depths, mask, positions, scores = ref.select_tree(*args[:4], num_draft_tokens, args[4], steps)
+    tokens, parents, depths, mask, positions, scores = ref.select_tree(args, num_draft_tokens, steps)
     assert (tokens.dtype, parents.dtype, depths.dtype, mask.dtype, positions.dtype, scores.dtype) == (
         torch.int64, torch.int32, torch.int32, torch.bool, torch.int64, torch.float32)  # fmt: skip
-    for i, want in enumerate(loop_select(*args[:4], num_draft_tokens, args[4])):
+    for i, want in enumerate(loop_select(args, num_draft_tokens)):
         assert tokens[i].tolist() == want["token"] and parents[i].tolist() == want["parent"]
         assert depths[i].tolist() == want["depth"] and positions[i].tolist() == want["position"]
         assert scores[i].tolist() == want["score"]
@@ -84,72 +84,66 @@ def test_reference_keeps_the_rules_by_row(topk: int, steps: int, num_draft_token
 
 
 def test_bad_arguments_are_one_line_errors() -> None:
-    root, tokens, scores, parents, positions = candidates(3, 2, 2, seed=1)
+    args = candidates(3, 2, 2, seed=1)
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        ref.select_tree(root, tokens, scores, parents, tokens.shape[1] + 2, positions, 2)
+        ref.select_tree(args, args.tokens.shape[1] + 2, 2)
     with pytest.raises(ValueError, match="must match tokens"):
-        ref.select_tree(root, tokens, scores[:, :3], parents, 4, positions, 2)
+        ref.select_tree(args._replace(scores=args.scores[:, :3]), 4, 2)
     with pytest.raises(ValueError, match="root_positions"):
-        ref.select_tree(root, tokens, scores, parents, 4, positions[:2], 2)
+        ref.select_tree(args._replace(root_positions=args.root_positions[:2]), 4, 2)
     with pytest.raises(ValueError, match="floating"):
-        ref.select_tree(root, tokens, scores.long(), parents, 4, positions, 2)
+        ref.select_tree(args._replace(scores=args.scores.long()), 4, 2)
     with pytest.raises(ValueError, match="max_depth"):
-        ref.select_tree(root, tokens, scores, parents, 4, positions, 0)
+        ref.select_tree(args, 4, 0)
 
 
-@pytest.fixture(params=[True, False], ids=["masks-true", "masks-false"])
-def kernels(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
-    """The Triton module, with every new tensor (its outputs) pre-filled: integers SENTINEL, floats NaN, bools with
-    the param (each value once, so that an unwritten mask entry fails whichever it should hold)."""
-    if not torch.cuda.is_available() and not envs.triton_interpret():
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    from jetserve.ops.tree_select import kernels as module
+KERNELS = "jetserve.ops.tree_select.kernels"  # the module `op_kernels` (tests/ops/conftest.py) imports
 
-    empty = torch.empty
 
-    def poisoned_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(request.param if t.dtype == torch.bool else math.nan if t.is_floating_point() else SENTINEL)
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    return module
+# The masks are poisoned with True, then with False, so that an entry left unwritten fails whichever it should hold
+# (with True alone, a dropped store of the root column passed).
+both_mask_fills = pytest.mark.parametrize("poisoned_outputs", [True, False], ids=["masks-true", "masks-false"],
+                                          indirect=True)  # fmt: skip
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@both_mask_fills
 @pytest.mark.parametrize(
     "num_seqs, topk, steps, num_draft_tokens", [(1, 1, 1, 2), (3, 2, 3, 8), (2, 3, 3, 17), (4, 4, 2, 6), (2, 2, 5, 11)]
 )
-def test_kernel_matches_reference(kernels, num_seqs: int, topk: int, steps: int, num_draft_tokens: int) -> None:
+def test_kernel_matches_reference(op_kernels, num_seqs: int, topk: int, steps: int, num_draft_tokens: int) -> None:
     args = candidates(num_seqs, topk, steps, seed=num_seqs + 100 * topk + steps)
-    want = ref.select_tree(*args[:4], num_draft_tokens, args[4], steps)
-    moved = [t.to(DEVICE) for t in args]
-    got = kernels.select_tree(*moved[:4], num_draft_tokens, moved[4], steps)
+    want = ref.select_tree(args, num_draft_tokens, steps)
+    got = op_kernels.select_tree(Candidates(*(t.to(DEVICE) for t in args)), num_draft_tokens, steps)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
 
 
-def test_kernel_takes_strided_inputs(kernels) -> None:
+@both_mask_fills
+def test_kernel_takes_strided_inputs(op_kernels) -> None:
     """Scores and parents as column slices, int32 parents and root positions as an expanded vector."""
-    root, tokens, scores, parents, _ = candidates(3, 2, 3, seed=4)
-    width = tokens.shape[1]
-    wide_scores = torch.cat([scores, scores], dim=1)[:, :width]
-    wide_parents = torch.cat([parents, parents], dim=1)[:, :width].int()
-    positions = torch.tensor([5]).expand(3)
-    want = ref.select_tree(root, tokens, scores, parents, 8, positions.contiguous(), 3)
-    got = kernels.select_tree(*(t.to(DEVICE) for t in (root, tokens, wide_scores, wide_parents)), 8,
-                              positions.to(DEVICE), 3)  # fmt: skip
+    args = candidates(3, 2, 3, seed=4)
+    width = args.tokens.shape[1]
+    strided = args._replace(
+        scores=torch.cat([args.scores, args.scores], dim=1)[:, :width],
+        parents=torch.cat([args.parents, args.parents], dim=1)[:, :width].int(),
+        root_positions=torch.tensor([5]).expand(3),
+    )
+    want = ref.select_tree(args._replace(root_positions=torch.full((3,), 5)), 8, 3)
+    got = op_kernels.select_tree(Candidates(*(t.to(DEVICE) for t in strided)), 8, 3)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.cpu(), w)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@both_mask_fills
 @pytest.mark.parametrize("num_seqs, topk, steps, num_draft_tokens", [(1, 2, 3, 8), (64, 2, 3, 8), (256, 4, 4, 16),
                                                                     (16, 8, 3, 64)])  # fmt: skip
-def test_gpu_kernel_matches_reference_at_draft_shapes(kernels, num_seqs, topk, steps, num_draft_tokens) -> None:
+def test_gpu_kernel_matches_reference_at_draft_shapes(op_kernels, num_seqs, topk, steps, num_draft_tokens) -> None:
     args = candidates(num_seqs, topk, steps, seed=num_seqs)
-    got = kernels.select_tree(*(t.cuda() for t in args[:4]), num_draft_tokens, args[4].cuda(), steps)
-    for g, w in zip(got, ref.select_tree(*args[:4], num_draft_tokens, args[4], steps), strict=True):
+    got = op_kernels.select_tree(Candidates(*(t.cuda() for t in args)), num_draft_tokens, steps)
+    for g, w in zip(got, ref.select_tree(args, num_draft_tokens, steps), strict=True):
         assert torch.equal(g.cpu(), w)

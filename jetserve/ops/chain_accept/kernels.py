@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.ops.accept_rows import empty_outputs, store_row
 from jetserve.ops.chain_accept.reference import Accepted, Forced, check_chain_args
 from jetserve.ops.layout import dense
 
@@ -41,14 +42,9 @@ def _chain_accept_emit_kernel(
         drafts = tl.min(tl.where(is_miss, j, BLOCK), axis=0)  # the first miss: the leading run's length
         count = drafts.to(tl.int64) + 1
         b_bonus = tl.load(target + i * num_nodes + drafts).to(tl.int64)
-    tl.store(accepted + i * num_nodes + j, tl.where(j < count, j, -1).to(tl.int32), mask=m_j)
-    count = tl.where(tl.load(slots + i) > 0, count, 0)  # a padded row commits nothing
-    tl.store(num_accepted + i, count.to(tl.int32))
-    tl.store(bonus + i, b_bonus)
-    b_row = tl.where(j == count - 1, b_bonus, b_next)
-    b_row = tl.where(j < count, b_row, -1)  # the emitted tokens at j < T_d
-    b_row = tl.where(j == num_nodes, count, tl.where(j == num_nodes + 1, num_nodes - 1, b_row))  # count, depth
-    tl.store(result + i * (num_nodes + 2) + j, b_row, mask=j < num_nodes + 2)
+    b_accepted = tl.where(j < count, j, -1)
+    store_row(accepted, num_accepted, bonus, result, slots, i, j, b_accepted, count, b_bonus, b_next, num_nodes - 1,
+              num_nodes)  # fmt: skip
 
 
 def chain_accept_emit(
@@ -60,10 +56,7 @@ def chain_accept_emit(
     device = tokens.device
     target, tokens, slots = dense(target, tokens, slots)
     forced_count, forced_bonus = dense(*forced) if forced is not None else (slots, slots)
-    accepted = torch.empty(num_seqs, num_nodes, dtype=torch.int32, device=device)
-    num_accepted = torch.empty(num_seqs, dtype=torch.int32, device=device)
-    bonus = torch.empty(num_seqs, dtype=torch.int64, device=device)
-    result = torch.empty(num_seqs, num_nodes + 2, dtype=torch.int64, device=device)
+    accepted, num_accepted, bonus, result = empty_outputs(num_seqs, num_nodes, device)
     if num_seqs:
         _chain_accept_emit_kernel[(num_seqs,)](
             target,

@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.ops.accept_rows import empty_outputs, store_row
 from jetserve.ops.layout import dense
-from jetserve.ops.tree_accept.reference import Accepted, TreeForced, check_tree_args
+from jetserve.ops.tree_accept.reference import Accepted, Tree, TreeForced, check_tree_args
 
 
 @triton.jit
@@ -56,38 +57,22 @@ def _tree_accept_emit_kernel(
     b_path = tl.load(mask + (row + best) * num_nodes + j, mask=m_j, other=0) != 0  # [BLOCK]: the path's nodes
     at_depth = b_path[None, :] & (b_depth[None, :] == j[:, None])  # [BLOCK (depth), BLOCK (node)]
     b_accepted = tl.max(tl.where(at_depth, j[None, :], -1), axis=1)  # the path's node at each depth, -1 past it
-    tl.store(accepted + row + j, b_accepted.to(tl.int32), mask=m_j)
     after = b_path[None, :] & (b_depth[None, :] == j[:, None] + 1)
     b_next = tl.max(tl.where(after, b_token[None, :], -1), axis=1)  # the path's draft after each depth
-    count = tl.where(tl.load(slots + i) > 0, count, 0)  # a padded row commits nothing
-    tl.store(num_accepted + i, count.to(tl.int32))
-    tl.store(bonus + i, b_bonus)
-    b_row = tl.where(j == count - 1, b_bonus, b_next)
-    b_row = tl.where(j < count, b_row, -1)  # the emitted tokens at j < T_d
-    tree_depth = tl.max(b_depth, axis=0)
-    b_row = tl.where(j == num_nodes, count, tl.where(j == num_nodes + 1, tree_depth, b_row))  # count, depth
-    tl.store(result + i * (num_nodes + 2) + j, b_row, mask=j < num_nodes + 2)
+    store_row(accepted, num_accepted, bonus, result, slots, i, j, b_accepted, count, b_bonus, b_next,
+              tl.max(b_depth, axis=0), num_nodes)  # fmt: skip
 
 
-def tree_accept_emit(
-    target: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    depths: torch.Tensor,
-    mask: torch.Tensor,
-    slots: torch.Tensor,
-    forced: TreeForced = None,
-) -> Accepted:
+def tree_accept_emit(target: torch.Tensor, tree: Tree, slots: torch.Tensor, forced: TreeForced = None) -> Accepted:
     """See `reference.tree_accept_emit`."""
-    check_tree_args(target, tokens, parents, depths, mask, slots, forced)
-    num_seqs, num_nodes = tokens.shape
-    device = tokens.device
-    target, tokens, parents, depths, mask, slots = dense(target, tokens, parents, depths, mask, slots)
+    check_tree_args(target, tree, slots, forced)
+    num_seqs, num_nodes = tree.tokens.shape
+    device = tree.tokens.device
+    target, tokens, parents, depths, mask, slots = dense(
+        target, tree.tokens, tree.parents, tree.depths, tree.mask, slots
+    )
     forced_accepted, forced_count, forced_bonus = dense(*forced) if forced is not None else (tokens, slots, slots)
-    accepted = torch.empty(num_seqs, num_nodes, dtype=torch.int32, device=device)
-    num_accepted = torch.empty(num_seqs, dtype=torch.int32, device=device)
-    bonus = torch.empty(num_seqs, dtype=torch.int64, device=device)
-    result = torch.empty(num_seqs, num_nodes + 2, dtype=torch.int64, device=device)
+    accepted, num_accepted, bonus, result = empty_outputs(num_seqs, num_nodes, device)
     if num_seqs:
         block = triton.next_power_of_2(num_nodes + 2)
         _tree_accept_emit_kernel[(num_seqs,)](

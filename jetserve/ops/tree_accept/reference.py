@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 # (accepted [N, T_d], num_accepted [N], bonus [N]) replacing the acceptance (the benchmarks' forced "all")
@@ -10,15 +12,17 @@ TreeForced = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 Accepted = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # (accepted, num_accepted, bonus, result)
 
 
-def check_tree_args(
-    target: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    depths: torch.Tensor,
-    mask: torch.Tensor,
-    slots: torch.Tensor,
-    forced: TreeForced,
-) -> None:
+class Tree(Protocol):
+    """The tree's fields the acceptance reads, as `spec.tree.DraftTree` holds them."""
+
+    tokens: torch.Tensor  # [N, T_d]: node 0 the root, the last committed token
+    parents: torch.Tensor  # [N, T_d]: -1 at the root; parents precede children
+    depths: torch.Tensor  # [N, T_d]
+    mask: torch.Tensor  # [N, T_d, T_d] bool: mask[i, j, a] = a is j or an ancestor of j
+
+
+def check_tree_args(target: torch.Tensor, tree: Tree, slots: torch.Tensor, forced: TreeForced) -> None:
+    tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tree_accept_emit: tokens must be [N, T_d] with T_d ≥ 1, got {tuple(tokens.shape)}")
     num_seqs, num_nodes = tokens.shape
@@ -43,35 +47,32 @@ def check_tree_args(
             raise ValueError(f"tree_accept_emit: {name} must hold integers, got {t.dtype}")
 
 
-def tree_accept_emit(
-    target: torch.Tensor,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    depths: torch.Tensor,
-    mask: torch.Tensor,
-    slots: torch.Tensor,
-    forced: TreeForced = None,
-) -> Accepted:
+def tree_accept_emit(target: torch.Tensor, tree: Tree, slots: torch.Tensor, forced: TreeForced = None) -> Accepted:
     """Greedy acceptance of one draft tree per row and what the step emits, from the target's greedy tokens.
 
-    target [N, T_d] int64: the target's argmax at each node; tokens, parents, depths [N, T_d] and mask [N, T_d, T_d]
-    bool: the tree as `DraftTree` holds it (node 0 the root, the last committed token; parents precede children;
-    mask[i, j, a]: a is j or an ancestor of j); slots [N]: each row's state slot, 0 for a padded row (which commits
-    nothing). A node is on a matching path when it and every ancestor below the root carry the target's token at
-    their parent; the accepted path ends at the deepest such node, the lowest index among equally deep ones, and the
-    bonus is the target's token there — `tree_accept_greedy`'s rule. `forced` = (accepted [N, T_d], num_accepted
-    [N], bonus [N]) replaces that acceptance (the benchmarks' forced "all": the path to node accepted[i, count - 1],
-    with 1 ≤ count ≤ T_d).
+    target [N, T_d] int64: the target's argmax at each node; tree: its tokens, parents, depths [N, T_d] and mask
+    [N, T_d, T_d] bool, as `DraftTree` holds them (`Tree`); slots [N]: each row's state slot, 0 for a padded row
+    (which commits nothing). A node is on a matching path when it and every ancestor below the root carry the target's
+    token at their parent; the accepted path ends at the deepest such node, the lowest index among equally deep
+    ones, and the bonus is the target's token there — `tree_accept_greedy`'s rule. `forced` = (accepted [N, T_d],
+    num_accepted [N], bonus [N]) replaces that acceptance (the benchmarks' forced "all": the path to node
+    accepted[i, count - 1], with 1 ≤ count ≤ T_d).
 
     Returns accepted [N, T_d] int32 (the path's nodes, root first, then -1), num_accepted [N] int32 (the path's
     length, root included; 0 on padded rows), bonus [N] int64, and result [N, T_d + 2] int64: the emitted tokens (the
     accepted drafts in path order, then the bonus, -1 after num_accepted), num_accepted, and the tree's depth (its
     deepest node's) — the row a verify step reads back in one transfer.
     """
-    check_tree_args(target, tokens, parents, depths, mask, slots, forced)
-    num_seqs, num_nodes = tokens.shape
-    device = tokens.device
-    target, tokens, depths = target.long(), tokens.long(), depths.long()
+    check_tree_args(target, tree, slots, forced)
+    num_seqs, num_nodes = tree.tokens.shape
+    device = tree.tokens.device
+    target, tokens, parents, depths, mask = (
+        target.long(),
+        tree.tokens.long(),
+        tree.parents,
+        tree.depths.long(),
+        tree.mask,
+    )
     nodes = torch.arange(num_nodes, device=device)  # [T_d]
     if forced is None:
         at_parent = target.gather(1, parents.long().clamp(min=0))  # [N, T_d]: the target's token at each parent

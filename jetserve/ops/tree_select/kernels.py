@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.layout import dense
-from jetserve.ops.tree_select.reference import Selected, check_select_args
+from jetserve.ops.tree_select.reference import Candidates, Selected, check_select_args
 
 
 @triton.jit
@@ -83,20 +83,12 @@ def _select_tree_kernel(
     tl.store(square + t * num_nodes, t >= 0, mask=m_t & (t > 0))
 
 
-def select_tree(
-    root_tokens: torch.Tensor,
-    tokens: torch.Tensor,
-    scores: torch.Tensor,
-    parents: torch.Tensor,
-    num_draft_tokens: int,
-    root_positions: torch.Tensor,
-    max_depth: int,
-) -> Selected:
+def select_tree(candidates: Candidates, num_draft_tokens: int, max_depth: int) -> Selected:
     """See `reference.select_tree`."""
-    check_select_args(root_tokens, tokens, scores, parents, num_draft_tokens, root_positions, max_depth)
-    num_seqs, num_candidates = tokens.shape
-    device = tokens.device
-    root_tokens, tokens, scores, parents, root_positions = dense(root_tokens, tokens, scores, parents, root_positions)
+    check_select_args(candidates, num_draft_tokens, max_depth)
+    num_seqs, num_candidates = candidates.tokens.shape
+    device = candidates.tokens.device
+    root_tokens, tokens, scores, parents, root_positions = dense(*candidates)
     shape = (num_seqs, num_draft_tokens)
     out_tokens = torch.empty(shape, dtype=torch.int64, device=device)
     out_parents = torch.empty(shape, dtype=torch.int32, device=device)

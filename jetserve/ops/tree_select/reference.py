@@ -4,6 +4,8 @@ candidates renumbered as tree nodes with their parents, depths, ancestor mask, p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # (tokens [N, T_d] int64, parents [N, T_d] int32, depths [N, T_d] int32, mask [N, T_d, T_d] bool, positions [N, T_d]
@@ -11,15 +13,18 @@ import torch
 Selected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def check_select_args(
-    root_tokens: torch.Tensor,
-    tokens: torch.Tensor,
-    scores: torch.Tensor,
-    parents: torch.Tensor,
-    num_draft_tokens: int,
-    root_positions: torch.Tensor,
-    max_depth: int,
-) -> None:
+class Candidates(NamedTuple):
+    """Every draft level's candidates, concatenated in level order, and each row's root."""
+
+    root_tokens: torch.Tensor  # [N]: each row's last committed token (node 0)
+    tokens: torch.Tensor  # [N, M]
+    scores: torch.Tensor  # [N, M] float: cumulative draft log-probs, not NaN
+    parents: torch.Tensor  # [N, M] int: the parent candidate, -1 for the root; parents precede children
+    root_positions: torch.Tensor  # [N]: the root's RoPE position
+
+
+def check_select_args(candidates: Candidates, num_draft_tokens: int, max_depth: int) -> None:
+    root_tokens, tokens, scores, parents, root_positions = candidates
     if tokens.dim() != 2:
         raise ValueError(f"select_tree: tokens must be [N, M], got {tuple(tokens.shape)}")
     num_seqs, num_candidates = tokens.shape
@@ -45,28 +50,20 @@ def check_select_args(
                          f"{tokens.dtype}, {parents.dtype})")  # fmt: skip
 
 
-def select_tree(
-    root_tokens: torch.Tensor,
-    tokens: torch.Tensor,
-    scores: torch.Tensor,
-    parents: torch.Tensor,
-    num_draft_tokens: int,
-    root_positions: torch.Tensor,
-    max_depth: int,
-) -> Selected:
+def select_tree(candidates: Candidates, num_draft_tokens: int, max_depth: int) -> Selected:
     """The best `num_draft_tokens - 1` of each row's M candidates, with the root, as a tree of T_d nodes.
 
-    root_tokens [N] (each row's last committed token, node 0), tokens [N, M] and scores [N, M] (each candidate's
-    token and cumulative draft log-prob, not NaN), parents [N, M] int (the parent candidate, -1 for the root; every
-    parent precedes its children), root_positions [N] (the root's RoPE position), max_depth: no candidate lies deeper
-    (the draft levels). A candidate's score is first capped at its ancestors' — so a kept node's ancestors always rank
-    at least as high and are kept too — and ties go to the lower candidate index (the shallower one). The kept
-    candidates become nodes 1 .. T_d - 1 in candidate order, so parents precede children.
+    candidates: the levels' candidates (tokens, scores, parents [N, M]) and each row's root token and position
+    (`Candidates`); max_depth: no candidate lies deeper (the draft levels). A candidate's score is first capped at
+    its ancestors' — so a kept node's ancestors always rank at least as high and are kept too — and ties go to the
+    lower candidate index (the shallower one). The kept candidates become nodes 1 .. T_d - 1 in candidate order, so
+    parents precede children.
 
     Returns the tree's tokens, parents (int32, -1 at the root), depths (int32), ancestor mask (mask[i, j, a]: a is j or
     an ancestor of j), positions (root position + depth) and capped scores (0 at the root), as `Selected`.
     """
-    check_select_args(root_tokens, tokens, scores, parents, num_draft_tokens, root_positions, max_depth)
+    check_select_args(candidates, num_draft_tokens, max_depth)
+    root_tokens, tokens, scores, parents, root_positions = candidates
     num_seqs, num_candidates = tokens.shape
     device = tokens.device
     raw, parents = scores.float(), parents.long()

@@ -66,16 +66,10 @@ def tree_accept_emit(target: torch.Tensor, tree: Tree, slots: torch.Tensor, forc
     check_tree_args(target, tree, slots, forced)
     num_seqs, num_nodes = tree.tokens.shape
     device = tree.tokens.device
-    target, tokens, parents, depths, mask = (
-        target.long(),
-        tree.tokens.long(),
-        tree.parents,
-        tree.depths.long(),
-        tree.mask,
-    )
+    target, tokens, depths, mask = target.long(), tree.tokens.long(), tree.depths.long(), tree.mask
     nodes = torch.arange(num_nodes, device=device)  # [T_d]
     if forced is None:
-        at_parent = target.gather(1, parents.long().clamp(min=0))  # [N, T_d]: the target's token at each parent
+        at_parent = target.gather(1, tree.parents.long().clamp(min=0))  # [N, T_d]: the target's token at each parent
         is_match = (tokens == at_parent) | (nodes == 0)  # [N, T_d]: the root always
         on_path = ~(mask & ~is_match[:, None, :]).any(dim=2)  # [N, T_d]: no ancestor-or-self that misses
         reach = torch.where(on_path, depths, -1)  # [N, T_d]

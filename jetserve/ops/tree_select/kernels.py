@@ -1,7 +1,7 @@
 """`select_tree` in one Triton launch: program i settles row i — each candidate's ancestor walk (capped score, depth,
 its ancestors as an [M, M] block in registers), its rank by counting the candidates ahead of it, the kept ones'
-node numbers, and the tree's six fields stored by node — where the reference took ~85 small kernels at a 2x3x8 tree
-(the capping, sorts, scatters, gathers and the ancestor mask's loop), which the draft step's graph replays."""
+node numbers, and the tree's six fields stored by node — where the reference's torch ops are ~85 small kernels at a
+2x3x8 tree (the capping, sorts, scatters, gathers and the ancestor mask's loop), replayed by the draft step's graph."""
 
 from __future__ import annotations
 

@@ -136,7 +136,8 @@ def build_draft_tree(
 
 def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:
     """mask [N, T_d, T_d] bool with mask[i, j, a] = a is j or an ancestor of j, from parents [N, T_d] (-1 at the root)
-    of a tree at most `num_levels` deep."""
+    of a tree at most `num_levels` deep: the `DraftTree.mask` of a tree given by its parents alone (hand-made trees,
+    as the tests build). The drafter's trees get theirs from `ops.tree_select`, and chains from the shape constants."""
     num_seqs, num_nodes = parents.shape
     device = parents.device
     mask = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(num_seqs, -1, -1).clone()  # [N, T_d, T_d]

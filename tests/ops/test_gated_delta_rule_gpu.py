@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gated_delta_rule import (
-    BRANCHY_TREE,
     assert_rel_close,
     make_params,
     make_tokens,
@@ -154,22 +153,6 @@ def test_verify_and_commit(shape, batch, nodes, chain, dtype):
     untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
     untouched[slots[num > 0].long()] = False
     assert torch.equal(pool[untouched], before[untouched])
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("batch", [1, 16])
-@pytest.mark.parametrize("branch_states", [None, 1, 2, 4])
-def test_verify_branch_states(shape, batch, branch_states):
-    """Every way the kernel finds a parent's state (BRANCHY_TREE's and random 11-node trees), in bf16 at the real
-    shapes, with the launch's own tiles."""
-    nodes = len(BRANCHY_TREE)
-    tokens, A_log, dt_bias, pool = setup(shape, batch * nodes, batch + 4, nodes, torch.bfloat16)
-    parents = random_parents(batch, nodes, torch.Generator().manual_seed(batch))
-    parents[0] = torch.tensor(BRANCHY_TREE, dtype=torch.int32)
-    parents, slots = parents.to(DEVICE), distinct_slots(batch, batch + 4, nodes)
-    args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias, pool, slots, parents]
-    o = tree.gated_delta_rule_verify(*args, branch_states=branch_states)
-    assert_rel_close(o, reference.gated_delta_rule_verify(*args), OUT_REL[torch.bfloat16])
 
 
 def test_decode_verify_commit_replay_in_cuda_graphs():

@@ -34,8 +34,6 @@ from jetserve.ops.layout import dense
 # 21.1 → 16.9, 68.9 → 53.4. Tiles narrow (32, 16, 8 columns of V) until a verify launch has this many programs an
 # SM: a tree's path replays are longer walks, which more programs in flight hide.
 VERIFY_PROGRAMS_PER_SM = {True: 2, False: 16}  # is_chain → programs an SM
-BRANCH_REGISTERS = 128  # fp32 registers a thread for the branch states of a tree verify program
-MAX_BRANCH_SLOTS = 8
 COMMIT_NARROW_PROGRAMS_PER_SM = 2  # fewer 32-wide programs than this an SM: 16-wide tiles
 COMMIT_WIDE_PROGRAMS_PER_SM = 16  # more 32-wide programs than this an SM: 64-wide tiles of 4 warps (the state's bytes
 # bound it there: at batch 64, 53.4 µs against 57.1 for 32-wide tiles of one warp)
@@ -47,13 +45,6 @@ def verify_tiles(num_pairs: int, V: int, is_chain: bool, num_sms: int) -> tuple[
         if num_pairs * triton.cdiv(V, bv) >= VERIFY_PROGRAMS_PER_SM[is_chain] * num_sms:
             return min(bv, triton.next_power_of_2(V)), 1
     return min(8, triton.next_power_of_2(V)), 1
-
-
-def branch_slots(BK: int, BV: int, warps: int) -> int:
-    """How many branching nodes' states a tree verify program keeps (`SLOTS`): the most `[BK, BV]` fp32 tiles that
-    fit BRANCH_REGISTERS registers a thread, as a power of two from 1 to MAX_BRANCH_SLOTS."""
-    fits = max(1, BRANCH_REGISTERS * 32 * warps // (BK * BV))
-    return min(1 << (fits.bit_length() - 1), MAX_BRANCH_SLOTS)
 
 
 def commit_tiles(num_pairs: int, V: int, num_sms: int) -> tuple[int, int]:
@@ -77,31 +68,6 @@ def _node_inputs(q, k, v, a, b, t, i_h, stride_q_t, stride_q_h, stride_k_t, stri
     b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_a = tl.load(a + t * stride_a_t + i_h).to(tl.float32)
     return b_k, b_q, b_v, b_a, tl.load(b + t * stride_b_t + i_h).to(tl.float32)
-
-
-@triton.jit
-def _preorder(parents, T_d, o_t, BT: tl.constexpr):
-    """A tree's nodes in depth-first preorder (children in index order), with what the verify walk needs of each.
-
-    Returns `path` `[BT, BT]` int32 (path[j, m] = 1 where node m is j or an ancestor of j) and `by_rank` `[BT]` int32:
-    entry r packs the r-th node of the preorder — its index (bits 0–7), its depth (8–15), its parent + 1 (16–23) and
-    whether it has two or more children (bit 24). Lanes past T_d hold 0 and are never read."""
-    # All nodes walk up together: T_d hops of one vector load each, instead of a chain of dependent scalar loads.
-    node = tl.where(o_t < T_d, o_t, -1)
-    path = tl.where(o_t[None, :] == node[:, None], 1, 0)  # [BT, BT]
-    for _ in range(T_d):
-        node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
-        path = tl.where(o_t[None, :] == node[:, None], 1, path)
-    par = tl.load(parents + o_t, mask=o_t < T_d, other=-2)  # [BT]: -1 the root, -2 past T_d
-    depth = tl.sum(path, axis=1) - 1  # [BT]
-    size = tl.sum(path, axis=0)  # [BT]: nodes in each node's subtree (itself included)
-    # A node's preorder position: its ancestors, and the subtrees of the earlier siblings of it and of each ancestor.
-    earlier = (par[:, None] == par[None, :]) & (o_t[None, :] < o_t[:, None])  # [p, s]: s an earlier sibling of p
-    before = tl.sum(tl.where(earlier, size[None, :], 0), axis=1)  # [BT]
-    rank = depth + tl.sum(path * before[None, :], axis=1)  # [BT], -1 past T_d
-    children = tl.sum(tl.where(par[None, :] == o_t[:, None], 1, 0), axis=1)  # [BT]
-    info = o_t | (depth << 8) | ((par + 1) << 16) | (tl.where(children >= 2, 1, 0) << 24)
-    return path, tl.sum(tl.where(rank[None, :] == o_t[:, None], info[None, :], 0), axis=1)
 
 
 @triton.jit
@@ -134,7 +100,6 @@ def gated_delta_rule_verify_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     BT: tl.constexpr,
-    SLOTS: tl.constexpr,  # branch states kept on chip: those of branching nodes at depths 0 .. SLOTS - 1
     EPS: tl.constexpr,
     CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): tree_parents is not read
 ):
@@ -142,75 +107,179 @@ def gated_delta_rule_verify_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    o_slot = tl.arange(0, SLOTS)
     m_k, m_v = o_k < K, o_v < V
 
     slot = tl.load(state_indices + i_n).to(tl.int64)
     p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
     b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    parents = tree_parents + i_n.to(tl.int64) * T_d
     t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
 
-    # The nodes are walked in depth-first preorder, so that b_run — the state after the node walked last — is the
-    # parent's state of every node but the later children of a branching node. Those take their parent's state from
-    # the slot of its depth, where a branching node leaves its state; a branching node deeper than the slots makes its
-    # later children replay their ancestors from the committed state. In preorder the last node walked at a depth
-    # above a node's is that node's ancestor, so a slot is never overwritten before its last reader. A chain (CHAIN)
-    # walks nodes 0 .. T_d - 1 and only ever extends b_run.
-    path = tl.zeros([BT, BT], dtype=tl.int32)
-    by_rank = tl.zeros([BT], dtype=tl.int32)
     if not CHAIN:
-        path, by_rank = _preorder(tree_parents + i_n.to(tl.int64) * T_d, T_d, o_t, BT)
-    # the first child's inputs are loaded while its parent's step runs (they do not depend on the state)
-    node1 = 0
-    if not CHAIN:
-        node1 = tl.sum(tl.where(o_t == 0, by_rank, 0))
-    b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + (node1 & 255), i_h, stride_q_t, stride_q_h,
-                                                stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t,
-                                                stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
+        # path[j, m] = 1 where node m lies on node j's path (j included). All nodes walk up together: T_d hops of
+        # one vector load each, instead of a chain of dependent scalar loads per node.
+        node = tl.where(o_t < T_d, o_t, -1)
+        path = tl.where(o_t[None, :] == node[:, None], 1, 0)  # [BT, BT] int32
+        for _ in range(T_d):
+            node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
+            path = tl.where(o_t[None, :] == node[:, None], 1, path)
+
+    # b_run holds the state after node j-1 (the committed state before node 0). A node whose parent is j-1 — every
+    # node of a chain — extends it by one step; any other node replays its ancestors from the committed state, then
+    # takes its own step. Node j+1's inputs are loaded while node j's step runs (they do not depend on the state).
+    b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0, i_h, stride_q_t, stride_q_h, stride_k_t,
+                                                stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t, o_k, m_k,
+                                                o_v, m_v, True)  # fmt: skip
+    parent1 = -1
     b_run = b_s0
-    b_branch = tl.zeros([SLOTS, BK, BV], dtype=tl.float32)  # [SLOTS, BK, BV]: slot d, a branching node's at depth d
-    prev = -1
-    for r in range(T_d):
-        b_k, b_q, b_v, b_a, b_b, node = b_k1, b_q1, b_v1, b_a1, b_b1, node1
-        nxt = tl.minimum(r + 1, T_d - 1)
-        if CHAIN:
-            node1 = nxt
-        else:
-            node1 = tl.sum(tl.where(o_t == nxt, by_rank, 0))
-        b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + (node1 & 255), i_h, stride_q_t,
-                                                    stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-                                                    stride_a_t, stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
+    for j in range(T_d):
+        b_k, b_q, b_v, b_a, b_b, parent = b_k1, b_q1, b_v1, b_a1, b_b1, parent1
+        t = t0 + j
+        nxt = tl.minimum(j + 1, T_d - 1)
+        b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + nxt, i_h, stride_q_t, stride_q_h,
+                                                    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t,
+                                                    stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
+        if not CHAIN:
+            parent1 = tl.load(parents + nxt)
         b_k = unit(b_k, EPS)
         b_q = unit(b_q, EPS) * scale
         b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
-        j = node & 255
         if CHAIN:
             b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
+        elif parent == j - 1:
+            b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
         else:
-            depth = (node >> 8) & 255
-            parent = ((node >> 16) & 255) - 1
-            b_base = b_run
-            if parent != prev:
-                if depth <= SLOTS:  # the parent (depth - 1) left its state in its slot
-                    b_base = tl.sum(tl.where(o_slot[:, None, None] == depth - 1, b_branch, 0.0), axis=0)
-                else:
-                    b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
-                    # Parents precede children, so ascending node order along the path is root-first order.
-                    b_base = b_s0
-                    for m in range(j):
-                        if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
-                            b_base = token_step(b_base, t0 + m, k, v, a, b, stride_k_t, stride_k_h, stride_v_t,
-                                                stride_v_h, stride_a_t, stride_b_t, i_h, o_k, m_k, o_v, m_v, b_A_log,
-                                                b_dt_bias, EPS)  # fmt: skip
-            b_s = delta_step(b_base, b_k, b_v, b_g, b_beta)
-            if (node >> 24) != 0:
-                if depth < SLOTS:
-                    b_branch = tl.where(o_slot[:, None, None] == depth, b_s[None, :, :], b_branch)
+            b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
+            # Parents precede children, so ascending node order along the path is root-first order.
+            b_s = b_s0
+            for m in range(j):
+                if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
+                    b_s = token_step(
+                        b_s,
+                        t0 + m,
+                        k,
+                        v,
+                        a,
+                        b,
+                        stride_k_t,
+                        stride_k_h,
+                        stride_v_t,
+                        stride_v_h,
+                        stride_a_t,
+                        stride_b_t,
+                        i_h,
+                        o_k,
+                        m_k,
+                        o_v,
+                        m_v,
+                        b_A_log,
+                        b_dt_bias,
+                        EPS,
+                    )
+            b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
         b_run = b_s
-        prev = j
         b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
-        tl.store(o + ((t0 + j) * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def gated_delta_rule_verify_solve_kernel(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    tree_parents,
+    o,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_a_t,
+    stride_b_t,
+    stride_s,
+    scale,
+    T_d,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,
+    EPS: tl.constexpr,
+    CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): tree_parents is not read
+    PRECISION: tl.constexpr,  # tl.dot's input_precision
+):
+    """All of a tree's nodes at once, as the chunked delta rule does a chunk's tokens, with the ancestor mask for the
+    causal one. Along node m's path, with G_m the sum of g over it (m included) and e_m = β_m (v_m − S_parentᵀ k_m):
+    S_m = e^{G_m} S0 + Σ_{a on m's path} e^{G_m − G_a} k_a e_aᵀ, so the e solve (I + A) E = β (V − e^G K S0), A[m, a]
+    = β_m e^{G_m − G_a} k_m·k_a over m's strict ancestors a (lower triangular: parents precede children), and
+    o = e^G Q S0 + (P ⊙ e^{G_j − G_a} ⊙ Q Kᵀ) E with P the ancestor-or-self mask. No node's state is formed."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_k, m_v, m_t = o_k < K, o_v < V, o_t < T_d
+    t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
+    rows = t0 + o_t  # [BT]
+
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = b_k.to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + EPS)[:, None]  # [BT, BK]
+    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
+    b_q = b_q.to(tl.float32)
+    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + EPS) * scale)[:, None]  # [BT, BK]
+    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :],
+                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    b_a = tl.load(a + rows * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(b + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_g, b_beta = gates(b_a, b_b, tl.load(A_log + i_h), tl.load(dt_bias + i_h))  # [BT] each
+    b_g = tl.where(m_t, b_g, 0.0)
+    b_beta = tl.where(m_t, b_beta, 0.0)
+
+    if CHAIN:
+        path = (o_t[None, :] <= o_t[:, None]) & m_t[:, None]  # [BT, BT]: path[j, m], m on j's path
+    else:
+        # All nodes walk up together: T_d hops of one vector load each.
+        parents = tree_parents + t0
+        node = tl.where(m_t, o_t, -1)
+        path = o_t[None, :] == node[:, None]
+        for _ in range(T_d):
+            node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
+            path = path | (o_t[None, :] == node[:, None])
+    b_G = tl.sum(tl.where(path, b_g[None, :], 0.0), axis=1)  # [BT]
+    b_decay = tl.where(path, tl.exp(b_G[:, None] - b_G[None, :]), 0.0)  # [BT, BT]: e^{G_j − G_a} on j's path
+
+    strict = path & (o_t[None, :] != o_t[:, None])
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)  # [BT, BT]
+    b_A = tl.where(strict, b_beta[:, None] * b_decay * b_kk, 0.0)
+    # (I + A)⁻¹ by forward substitution, row m from the rows above it
+    b_inv = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)  # [BT, BT]
+    for m in range(1, T_d):
+        b_row = tl.sum(tl.where(o_t[:, None] == m, b_A, 0.0), axis=0)  # [BT]: A[m, :]
+        b_new = -tl.sum(b_row[:, None] * b_inv, axis=0)  # [BT]
+        b_inv = tl.where(o_t[:, None] == m, b_inv + b_new[None, :], b_inv)
+
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
+    b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
+    b_ks = tl.dot(b_k, b_s0, input_precision=PRECISION)  # [BT, BV]
+    b_qs = tl.dot(b_q, b_s0, input_precision=PRECISION)  # [BT, BV]
+    b_eG = tl.exp(b_G)
+    b_rhs = b_beta[:, None] * (b_v - b_eG[:, None] * b_ks)  # [BT, BV]
+    b_e = tl.dot(b_inv, b_rhs, input_precision=PRECISION)  # [BT, BV]
+    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BT, BT]
+    b_o = b_eG[:, None] * b_qs + tl.dot(b_decay * b_qk, b_e, input_precision=PRECISION)  # [BT, BV]
+    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -283,14 +352,14 @@ def gated_delta_rule_verify(
     is_chain: bool = False,
     block_v: int | None = None,
     num_warps: int | None = None,
-    branch_states: int | None = None,
+    form: str = "walk",
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """Draft-tree outputs without writing `state`: q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), token
     `i*T_d + j` is node j of sequence i, tree_parents `[N, T_d]` int32 (-1 for node 0, else `parent < j`),
     state `[S, H, K, V]` fp32, state_indices `[N]`. `is_chain`: the caller's promise that every row is a chain
     (parent j - 1), which the kernel then takes without reading tree_parents. Grid (N, H, V / block_v); block_v
-    and num_warps default to `verify_tiles`, branch_states (a power of two: the branching depths whose states stay on
-    chip) to `branch_slots`. Returns o `[T, H, V]` in `v.dtype`.
+    and num_warps default to `verify_tiles`. Returns o `[T, H, V]` in `v.dtype`.
     """
     check_heads(q, k, v, a, b)
     check_state(state, k, v)
@@ -305,13 +374,18 @@ def gated_delta_rule_verify(
     BK = triton.next_power_of_2(K)  # the whole of K: the l2 norm needs the whole vector
     BV, warps = verify_tiles(N * H, V, is_chain, sm_count(q.device))
     BV, warps = block_v or BV, num_warps or warps
-    slots = 1 if is_chain else branch_states or branch_slots(BK, BV, warps)
-    if slots < 1 or slots & (slots - 1):
-        raise ValueError(f"gated_delta_rule_verify: branch_states {slots} must be a power of two")
-    if T_d > 255:  # the kernel packs a node's index, depth and parent + 1 into 8 bits each
-        raise ValueError(f"gated_delta_rule_verify: {T_d} nodes a tree, at most 255")
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
+        return o
+    if form == "solve":
+        BV = max(16, block_v or min(32, triton.next_power_of_2(V)))
+        gated_delta_rule_verify_solve_kernel[(N, H, triton.cdiv(V, BV))](
+            q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents.to(torch.int32).contiguous(), o,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+            state.stride(0), scale, T_d, H=H, K=K, V=V, BK=max(16, BK), BV=BV,
+            BT=max(16, triton.next_power_of_2(T_d)), EPS=L2NORM_EPS, CHAIN=is_chain, PRECISION=precision,
+            num_warps=num_warps or 4,
+        )  # fmt: skip
         return o
     gated_delta_rule_verify_kernel[(N, H, triton.cdiv(V, BV))](
         q,
@@ -342,7 +416,6 @@ def gated_delta_rule_verify(
         BK=BK,
         BV=BV,
         BT=max(16, triton.next_power_of_2(T_d)),
-        SLOTS=slots,
         EPS=L2NORM_EPS,
         CHAIN=is_chain,
         num_warps=warps,

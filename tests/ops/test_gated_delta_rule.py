@@ -382,36 +382,57 @@ def check_decoded(o, o_ref, pool, pool_ref, before) -> None:
 @pytest.mark.parametrize(
     "chain,is_chain,N,T_d,block_v,warps",
     [
-        (True, True, 3, 6, BLOCK_V, None),  # the chain form: parents not read
-        (True, False, 3, 6, BLOCK_V, 4),  # a chain through the tree form, several warps a program
-        (False, False, 3, 6, BLOCK_V, None),
-        (False, False, 3, 6, 8, 2),  # 8-wide tiles: V in three
+        (True, True, 3, 6, BLOCK_V, None),  # the chain kernel: parents not read
+        (True, True, 3, 6, 8, 2),  # 8-wide tiles: V in three, several warps a program
         (True, True, 2, 1, None, None),  # the root alone; the launch's own tiles
+        (True, False, 3, 6, BLOCK_V, None),  # a chain through the tree kernel
+        (False, False, 3, 6, BLOCK_V, None),
+        (False, False, 3, 6, 32, 2),  # one tile past V
+        (False, False, 2, 1, None, None),
         (False, False, 2, 7, None, None),
+        (True, False, 2, 17, BLOCK_V, 1),  # 32 node rows, 17 deep: the inverse's every row
     ],
 )
 def test_triton_verify_matches_reference(chain, is_chain, N, T_d, block_v, warps, poisoned_empty):
     gen = torch.Generator().manual_seed(11)
-    A_log, dt_bias = make_params(H, gen)
-    slots = torch.tensor([4, 1, 4][:N], dtype=torch.int32)
     parents = random_parents(N, T_d, gen, chain=chain)
+    check_triton_verify(parents, gen, is_chain=is_chain, block_v=block_v, num_warps=warps)
+
+
+@needs_interpreter
+def test_triton_tree_verify_takes_any_tree_shape(poisoned_empty):
+    """Deep and wide trees whose node order is not depth-first (node 10's parent is 1), a root with ten children,
+    and gates whose path sums underflow: e^{G} of a deep node is 0 in fp32 where e^{G_j − G_a} along its path is not."""
+    gen = torch.Generator().manual_seed(12)
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 3, 2, 0, 7, 7, 1], [-1] + [0] * 10], dtype=torch.int32)
+    check_triton_verify(parents, gen)
+    check_triton_verify(parents, gen, a_shift=60.0)
+
+
+def check_triton_verify(parents: torch.Tensor, gen: torch.Generator, a_shift: float = 0.0, **options) -> None:
+    """The Triton verify against the reference on random tokens (a raised by `a_shift`: faster decay) for trees
+    `parents` `[N, T_d]`, slots 4, 1, 4, ...: same outputs, state pool untouched."""
+    A_log, dt_bias = make_params(H, gen)
+    N, T_d = parents.shape
+    slots = torch.tensor([(4, 1)[i % 2] for i in range(N)], dtype=torch.int32)
     tokens = make_tokens(N * T_d, H, TK, TV, gen)
+    tokens["a"] = tokens["a"] + a_shift
     pool = make_pool(NUM_SLOTS, H, TK, TV, gen)
     before = pool.clone()
     args = [tokens[n] for n in "qkvab"] + [A_log, dt_bias, pool, slots, parents]
-    o = tree.gated_delta_rule_verify(*args, is_chain=is_chain, block_v=block_v, num_warps=warps)
+    o = tree.gated_delta_rule_verify(*args, **options)
     assert torch.equal(pool, before)
     assert_rel_close(o, ref.gated_delta_rule_verify(*args), 1e-5)
 
 
 def test_tree_kernel_tiles_follow_the_measured_picks():
-    """The 2B shape (12 heads, V 256) on an H200's 132 SMs: the tiles session 26 measured fastest (tree.py's table)."""
-    picks = {n: tree.verify_tiles(n * 12, 256, True, 132) for n in (1, 16, 64)}
-    assert picks == {1: (8, 1), 16: (32, 1), 64: (32, 1)}
-    picks = {n: tree.verify_tiles(n * 12, 256, False, 132) for n in (1, 16, 64)}
-    assert picks == {1: (8, 1), 16: (16, 1), 64: (32, 1)}
+    """The 2B shape (12 heads, V 256) on an H200's 132 SMs: the tiles sessions 26 and 38 measured fastest (tree.py's
+    table)."""
+    assert {n: tree.chain_tiles(n * 12, 256, 132) for n in (1, 16, 64)} == {1: (8, 1), 16: (32, 1), 64: (32, 1)}
+    assert {n: tree.tree_tiles(n * 12, 256, 132) for n in (1, 16, 64)} == {1: (32, 4), 16: (32, 2), 64: (32, 2)}
     assert {n: tree.commit_tiles(n * 12, 256, 132) for n in (1, 16, 64)} == {1: (16, 1), 16: (32, 1), 64: (64, 4)}
-    assert tree.verify_tiles(1, 4, False, 132) == (4, 1)  # never wider than V's power of two
+    assert tree.chain_tiles(1, 4, 132) == (4, 1)  # never wider than V's power of two
+    assert tree.tree_tiles(1, 4, 132) == (16, 4)  # but a tree's tiles are at least tl.dot's 16
     assert tree.commit_tiles(1, 4, 132) == (4, 1)
 
 

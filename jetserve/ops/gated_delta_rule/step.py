@@ -43,18 +43,6 @@ def delta_step(b_s, b_k, b_v, b_g, b_beta):
     return b_s + b_k[:, None] * b_e[None, :]
 
 
-@triton.jit
-def token_step(
-    b_s, t, k, v, a, b, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t, i_h,
-    o_k, m_k, o_v, m_v, A_log_h, dt_bias_h, EPS: tl.constexpr,
-):  # fmt: skip
-    """Advance the state tile b_s `[BK, BV]` by packed token t of head i_h: its normalised k, v tile and gates."""
-    b_k = load_unit(k + t * stride_k_t + i_h * stride_k_h, o_k, m_k, EPS)
-    b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-    b_g, b_beta = load_gates(a + t * stride_a_t + i_h, b + t * stride_b_t + i_h, A_log_h, dt_bias_h)
-    return delta_step(b_s, b_k, b_v, b_g, b_beta)
-
-
 def block_sizes(K: int, V: int, block_v: int | None) -> tuple[int, int]:
     """BK covers all of K (the l2 norm needs the whole vector); BV tiles V."""
     BK = triton.next_power_of_2(K)

@@ -1,6 +1,9 @@
-"""Tree verify and commit in Triton. Verify replays each draft node's ancestry path from the committed state on chip
-(the state is read once per program and never written, no per-node state reaches memory); commit replays the accepted
-path and writes the state once. Together they move 1.5x a decode step's state bytes."""
+"""Tree verify and commit in Triton; the state is read once per program, and verify never writes it.
+
+Verify has two kernels. A chain's walks its nodes in order, extending one running state tile on chip. A tree's does
+all of its nodes at once, in the chunked delta rule's form with the ancestor mask for the causal one: no node's state
+is formed, and the work is tensor-core products on `[T_d, K]` and `[K, BV]` tiles. Commit replays the accepted path
+and writes the state once. Together verify and commit move 1.5x a decode step's state bytes."""
 
 from __future__ import annotations
 
@@ -20,31 +23,42 @@ from jetserve.ops.gated_delta_rule.step import (
     check_state_layout,
     delta_step,
     gates,
-    token_step,
     unit,
     unit_last_stride,
 )
 from jetserve.ops.layout import dense
 
-# Tiles of the verify and commit kernels, one warp a program: a node's reductions over K then stay inside a warp (no
-# barrier between the warps of a program on each of a node's four), which is what bounds these kernels — each program
-# walks its nodes one after the other. H200, 2B shape (H 12, K 96, V 256), bf16, 24 layers of state pools from HBM in
-# one CUDA graph (session 26), µs a layer, 4 warps and 32-wide tiles before: chain 6 verify 13.6 → 5.6 at batch 1, 50.7
-# → 18.8 at 16, 201.6 → 59.5 at 64; tree 8 27.2 → 14.8, 107.2 → 62.7, 422.3 → 216.0; commit of 4 nodes 5.7 → 3.7,
-# 21.1 → 16.9, 68.9 → 53.4. Tiles narrow (32, 16, 8 columns of V) until a verify launch has this many programs an
-# SM: a tree's path replays are longer walks, which more programs in flight hide.
-VERIFY_PROGRAMS_PER_SM = {True: 2, False: 16}  # is_chain → programs an SM
+# Tiles of the chain verify and commit kernels, one warp a program: a node's reductions over K then stay inside a warp
+# (no barrier between the warps of a program on each of a node's four), which is what bounds these kernels — each
+# program walks its nodes one after the other. H200, 2B shape (H 12, K 96, V 256), bf16, 24 layers of state pools from
+# HBM in one CUDA graph (session 26), µs a layer, 4 warps and 32-wide tiles before: chain 6 verify 13.6 → 5.6 at batch
+# 1, 50.7 → 18.8 at 16, 201.6 → 59.5 at 64; commit of 4 nodes 5.7 → 3.7, 21.1 → 16.9, 68.9 → 53.4. Chain tiles narrow
+# (32, 16, 8 columns of V) until a launch has CHAIN_PROGRAMS_PER_SM programs an SM.
+CHAIN_PROGRAMS_PER_SM = 2
 COMMIT_NARROW_PROGRAMS_PER_SM = 2  # fewer 32-wide programs than this an SM: 16-wide tiles
 COMMIT_WIDE_PROGRAMS_PER_SM = 16  # more 32-wide programs than this an SM: 64-wide tiles of 4 warps (the state's bytes
 # bound it there: at batch 64, 53.4 µs against 57.1 for 32-wide tiles of one warp)
+# The tree kernel's tiles: 32 columns of V, 4 warps while a launch has fewer than TREE_WIDE_PROGRAMS_PER_SM programs an
+# SM, else 2. Session 38 (same method), µs a layer, the path-replaying walk it replaced → this kernel: a tree of 8
+# (topk 2, 3 steps) 14.6 → 9.0 at batch 1 (4 warps), 63.3 → 53.9 at 16, 215.0 → 196.4 at 64 (2 warps); of 16 nodes
+# 39.9 → 10.0, 169.1 → 55.6, 570.7 → 204.7. Chains stay on the walk: 5.2 against 8.5, 18.9 against 50.2, 59.5 against
+# 183.3.
+TREE_BLOCK_V = 32
+TREE_WIDE_PROGRAMS_PER_SM = 2
 
 
-def verify_tiles(num_pairs: int, V: int, is_chain: bool, num_sms: int) -> tuple[int, int]:
-    """(BV, warps) of a verify launch over `num_pairs` sequence x head pairs."""
+def chain_tiles(num_pairs: int, V: int, num_sms: int) -> tuple[int, int]:
+    """(BV, warps) of a chain verify launch over `num_pairs` sequence x head pairs."""
     for bv in (32, 16):
-        if num_pairs * triton.cdiv(V, bv) >= VERIFY_PROGRAMS_PER_SM[is_chain] * num_sms:
+        if num_pairs * triton.cdiv(V, bv) >= CHAIN_PROGRAMS_PER_SM * num_sms:
             return min(bv, triton.next_power_of_2(V)), 1
     return min(8, triton.next_power_of_2(V)), 1
+
+
+def tree_tiles(num_pairs: int, V: int, num_sms: int) -> tuple[int, int]:
+    """(BV, warps) of a tree verify launch over `num_pairs` sequence x head pairs (BV at least 16: tl.dot's least)."""
+    BV = max(16, min(TREE_BLOCK_V, triton.next_power_of_2(V)))
+    return BV, 4 if num_pairs * triton.cdiv(V, BV) < TREE_WIDE_PROGRAMS_PER_SM * num_sms else 2
 
 
 def commit_tiles(num_pairs: int, V: int, num_sms: int) -> tuple[int, int]:
@@ -71,7 +85,7 @@ def _node_inputs(q, k, v, a, b, t, i_h, stride_q_t, stride_q_h, stride_k_t, stri
 
 
 @triton.jit
-def gated_delta_rule_verify_kernel(
+def gated_delta_rule_verify_chain_kernel(
     q,
     k,
     v,
@@ -81,7 +95,6 @@ def gated_delta_rule_verify_kernel(
     dt_bias,
     state,
     state_indices,
-    tree_parents,
     o,
     stride_q_t,
     stride_q_h,
@@ -99,92 +112,40 @@ def gated_delta_rule_verify_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    BT: tl.constexpr,
     EPS: tl.constexpr,
-    CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): tree_parents is not read
 ):
+    """Every row a chain (node j's parent j - 1): b_run, the state after node j - 1 (the committed state before node
+    0), is extended by one step a node. Node j+1's inputs are loaded while node j's step runs (they do not depend on
+    the state)."""
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
 
     slot = tl.load(state_indices + i_n).to(tl.int64)
     p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
+    b_run = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
     b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
-    parents = tree_parents + i_n.to(tl.int64) * T_d
     t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
-
-    if not CHAIN:
-        # path[j, m] = 1 where node m lies on node j's path (j included). All nodes walk up together: T_d hops of
-        # one vector load each, instead of a chain of dependent scalar loads per node.
-        node = tl.where(o_t < T_d, o_t, -1)
-        path = tl.where(o_t[None, :] == node[:, None], 1, 0)  # [BT, BT] int32
-        for _ in range(T_d):
-            node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
-            path = tl.where(o_t[None, :] == node[:, None], 1, path)
-
-    # b_run holds the state after node j-1 (the committed state before node 0). A node whose parent is j-1 — every
-    # node of a chain — extends it by one step; any other node replays its ancestors from the committed state, then
-    # takes its own step. Node j+1's inputs are loaded while node j's step runs (they do not depend on the state).
     b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0, i_h, stride_q_t, stride_q_h, stride_k_t,
                                                 stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t, o_k, m_k,
                                                 o_v, m_v, True)  # fmt: skip
-    parent1 = -1
-    b_run = b_s0
     for j in range(T_d):
-        b_k, b_q, b_v, b_a, b_b, parent = b_k1, b_q1, b_v1, b_a1, b_b1, parent1
+        b_k, b_q, b_v, b_a, b_b = b_k1, b_q1, b_v1, b_a1, b_b1
         t = t0 + j
-        nxt = tl.minimum(j + 1, T_d - 1)
-        b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + nxt, i_h, stride_q_t, stride_q_h,
-                                                    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t,
-                                                    stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
-        if not CHAIN:
-            parent1 = tl.load(parents + nxt)
+        b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + tl.minimum(j + 1, T_d - 1), i_h, stride_q_t,
+                                                    stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+                                                    stride_a_t, stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
         b_k = unit(b_k, EPS)
         b_q = unit(b_q, EPS) * scale
         b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
-        if CHAIN:
-            b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
-        elif parent == j - 1:
-            b_s = delta_step(b_run, b_k, b_v, b_g, b_beta)
-        else:
-            b_path = tl.sum(tl.where(o_t[:, None] == j, path, 0), axis=0)  # [BT] row j
-            # Parents precede children, so ascending node order along the path is root-first order.
-            b_s = b_s0
-            for m in range(j):
-                if tl.sum(tl.where(o_t == m, b_path, 0)) > 0:
-                    b_s = token_step(
-                        b_s,
-                        t0 + m,
-                        k,
-                        v,
-                        a,
-                        b,
-                        stride_k_t,
-                        stride_k_h,
-                        stride_v_t,
-                        stride_v_h,
-                        stride_a_t,
-                        stride_b_t,
-                        i_h,
-                        o_k,
-                        m_k,
-                        o_v,
-                        m_v,
-                        b_A_log,
-                        b_dt_bias,
-                        EPS,
-                    )
-            b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
-        b_run = b_s
-        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
+        b_run = delta_step(b_run, b_k, b_v, b_g, b_beta)
+        b_o = tl.sum(b_run * b_q[:, None], axis=0)  # [BV]
         tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
-def gated_delta_rule_verify_solve_kernel(
+def gated_delta_rule_verify_tree_kernel(
     q,
     k,
     v,
@@ -214,14 +175,13 @@ def gated_delta_rule_verify_solve_kernel(
     BV: tl.constexpr,
     BT: tl.constexpr,
     EPS: tl.constexpr,
-    CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): tree_parents is not read
-    PRECISION: tl.constexpr,  # tl.dot's input_precision
 ):
-    """All of a tree's nodes at once, as the chunked delta rule does a chunk's tokens, with the ancestor mask for the
-    causal one. Along node m's path, with G_m the sum of g over it (m included) and e_m = β_m (v_m − S_parentᵀ k_m):
-    S_m = e^{G_m} S0 + Σ_{a on m's path} e^{G_m − G_a} k_a e_aᵀ, so the e solve (I + A) E = β (V − e^G K S0), A[m, a]
-    = β_m e^{G_m − G_a} k_m·k_a over m's strict ancestors a (lower triangular: parents precede children), and
-    o = e^G Q S0 + (P ⊙ e^{G_j − G_a} ⊙ Q Kᵀ) E with P the ancestor-or-self mask. No node's state is formed."""
+    """All of a tree's nodes at once. Along node m's path, with G_m the sum of g over it (m included) and
+    e_m = β_m (v_m − γ_m S_parentᵀ k_m) its step's correction: S_m = e^{G_m} S0 + Σ_{a on m's path} e^{G_m − G_a}
+    k_a e_aᵀ. So the corrections solve (I + A) E = β (V − e^G K S0), A[m, a] = β_m e^{G_m − G_a} k_m·k_a over m's
+    strict ancestors a (strictly lower triangular: parents precede children), and o = e^G Q S0 + (P ⊙ e^{G_j − G_a}
+    ⊙ Q Kᵀ) E with P[j, a] = a is j or an ancestor of j. Products are tl.dot in tf32x3 (fp32-accurate on tensor
+    cores: plain tf32 measured 4e-3 of the largest output against 7e-5)."""
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -237,49 +197,42 @@ def gated_delta_rule_verify_solve_kernel(
     b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
     b_q = b_q.to(tl.float32)
     b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + EPS) * scale)[:, None]  # [BT, BK]
-    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :],
-                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :], mask=m_tv, other=0.0)
+    b_v = b_v.to(tl.float32)  # [BT, BV]
     b_a = tl.load(a + rows * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_b = tl.load(b + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_g, b_beta = gates(b_a, b_b, tl.load(A_log + i_h), tl.load(dt_bias + i_h))  # [BT] each
-    b_g = tl.where(m_t, b_g, 0.0)
-    b_beta = tl.where(m_t, b_beta, 0.0)
 
-    if CHAIN:
-        path = (o_t[None, :] <= o_t[:, None]) & m_t[:, None]  # [BT, BT]: path[j, m], m on j's path
-    else:
-        # All nodes walk up together: T_d hops of one vector load each.
-        parents = tree_parents + t0
-        node = tl.where(m_t, o_t, -1)
-        path = o_t[None, :] == node[:, None]
-        for _ in range(T_d):
-            node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
-            path = path | (o_t[None, :] == node[:, None])
+    # path[j, m]: m is j or an ancestor of j. All nodes walk up together: T_d hops of one vector load each.
+    parents = tree_parents + t0
+    node = tl.where(m_t, o_t, -1)
+    path = o_t[None, :] == node[:, None]  # [BT, BT]
+    for _ in range(T_d):
+        node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
+        path = path | (o_t[None, :] == node[:, None])
     b_G = tl.sum(tl.where(path, b_g[None, :], 0.0), axis=1)  # [BT]
-    b_decay = tl.where(path, tl.exp(b_G[:, None] - b_G[None, :]), 0.0)  # [BT, BT]: e^{G_j − G_a} on j's path
-
-    strict = path & (o_t[None, :] != o_t[:, None])
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)  # [BT, BT]
-    b_A = tl.where(strict, b_beta[:, None] * b_decay * b_kk, 0.0)
-    # (I + A)⁻¹ by forward substitution, row m from the rows above it
-    b_inv = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)  # [BT, BT]
+    b_decay = tl.where(path, tl.exp(b_G[:, None] - b_G[None, :]), 0.0)  # [BT, BT]: e^{G_j − G_a} along j's path
+    eye = o_t[:, None] == o_t[None, :]
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="tf32x3")  # [BT, BT]
+    b_A = tl.where(path & ~eye, b_beta[:, None] * b_decay * b_kk, 0.0)
+    # (I + A)⁻¹ by forward substitution, row m from the rows above it (stable where the series Σ (−A)^i in products
+    # of squares cancels terms as large as binomial coefficients on deep paths of A entries near 1)
+    b_inv = tl.where(eye, 1.0, 0.0)  # [BT, BT]
     for m in range(1, T_d):
         b_row = tl.sum(tl.where(o_t[:, None] == m, b_A, 0.0), axis=0)  # [BT]: A[m, :]
-        b_new = -tl.sum(b_row[:, None] * b_inv, axis=0)  # [BT]
-        b_inv = tl.where(o_t[:, None] == m, b_inv + b_new[None, :], b_inv)
+        b_inv = tl.where(o_t[:, None] == m, b_inv - tl.sum(b_row[:, None] * b_inv, axis=0)[None, :], b_inv)
+    b_eG = tl.exp(b_G)
+    b_qkd = b_decay * tl.dot(b_q, tl.trans(b_k), input_precision="tf32x3")  # [BT, BT]
 
     slot = tl.load(state_indices + i_n).to(tl.int64)
     p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
     b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
-    b_ks = tl.dot(b_k, b_s0, input_precision=PRECISION)  # [BT, BV]
-    b_qs = tl.dot(b_q, b_s0, input_precision=PRECISION)  # [BT, BV]
-    b_eG = tl.exp(b_G)
-    b_rhs = b_beta[:, None] * (b_v - b_eG[:, None] * b_ks)  # [BT, BV]
-    b_e = tl.dot(b_inv, b_rhs, input_precision=PRECISION)  # [BT, BV]
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BT, BT]
-    b_o = b_eG[:, None] * b_qs + tl.dot(b_decay * b_qk, b_e, input_precision=PRECISION)  # [BT, BV]
-    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_t[:, None] & m_v[None, :])  # fmt: skip
+    b_ks = tl.dot(b_k, b_s0, input_precision="tf32x3")  # [BT, BV]
+    b_qs = tl.dot(b_q, b_s0, input_precision="tf32x3")  # [BT, BV]
+    b_e = tl.dot(b_inv, b_beta[:, None] * (b_v - b_eG[:, None] * b_ks), input_precision="tf32x3")  # [BT, BV]
+    b_o = b_eG[:, None] * b_qs + tl.dot(b_qkd, b_e, input_precision="tf32x3")  # [BT, BV]
+    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -352,14 +305,13 @@ def gated_delta_rule_verify(
     is_chain: bool = False,
     block_v: int | None = None,
     num_warps: int | None = None,
-    form: str = "walk",
-    precision: str = "ieee",
 ) -> torch.Tensor:
     """Draft-tree outputs without writing `state`: q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), token
     `i*T_d + j` is node j of sequence i, tree_parents `[N, T_d]` int32 (-1 for node 0, else `parent < j`),
     state `[S, H, K, V]` fp32, state_indices `[N]`. `is_chain`: the caller's promise that every row is a chain
-    (parent j - 1), which the kernel then takes without reading tree_parents. Grid (N, H, V / block_v); block_v
-    and num_warps default to `verify_tiles`. Returns o `[T, H, V]` in `v.dtype`.
+    (parent j - 1), which the chain kernel then takes without reading tree_parents; else the tree kernel. Grid
+    (N, H, V / block_v); block_v and num_warps default to `chain_tiles` or `tree_tiles` (the tree kernel's block_v is
+    at least 16). Returns o `[T, H, V]` in `v.dtype`.
     """
     check_heads(q, k, v, a, b)
     check_state(state, k, v)
@@ -371,55 +323,25 @@ def gated_delta_rule_verify(
     scale = K**-0.5 if scale is None else scale
     q, k, v, a, b = (unit_last_stride(x) for x in (q, k, v, a, b))
     (state_indices,) = dense(state_indices)
-    BK = triton.next_power_of_2(K)  # the whole of K: the l2 norm needs the whole vector
-    BV, warps = verify_tiles(N * H, V, is_chain, sm_count(q.device))
+    BK = max(16, triton.next_power_of_2(K))  # the whole of K: the l2 norm needs the whole vector
+    BV, warps = (chain_tiles if is_chain else tree_tiles)(N * H, V, sm_count(q.device))
     BV, warps = block_v or BV, num_warps or warps
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
         return o
-    if form == "solve":
-        BV = max(16, block_v or min(32, triton.next_power_of_2(V)))
-        gated_delta_rule_verify_solve_kernel[(N, H, triton.cdiv(V, BV))](
-            q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents.to(torch.int32).contiguous(), o,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-            state.stride(0), scale, T_d, H=H, K=K, V=V, BK=max(16, BK), BV=BV,
-            BT=max(16, triton.next_power_of_2(T_d)), EPS=L2NORM_EPS, CHAIN=is_chain, PRECISION=precision,
-            num_warps=num_warps or 4,
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+               state.stride(0))  # fmt: skip
+    if is_chain:
+        gated_delta_rule_verify_chain_kernel[(N, H, triton.cdiv(V, BV))](
+            q, k, v, a, b, A_log, dt_bias, state, state_indices, o, *strides, scale, T_d, H=H, K=K, V=V, BK=BK,
+            BV=BV, EPS=L2NORM_EPS, num_warps=warps,
         )  # fmt: skip
         return o
-    gated_delta_rule_verify_kernel[(N, H, triton.cdiv(V, BV))](
-        q,
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        state,
-        state_indices,
-        tree_parents.to(torch.int32).contiguous(),
-        o,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        a.stride(0),
-        b.stride(0),
-        state.stride(0),
-        scale,
-        T_d,
-        H=H,
-        K=K,
-        V=V,
-        BK=BK,
-        BV=BV,
-        BT=max(16, triton.next_power_of_2(T_d)),
-        EPS=L2NORM_EPS,
-        CHAIN=is_chain,
-        num_warps=warps,
-    )
+    BV, BT = max(16, BV), max(16, triton.next_power_of_2(T_d))  # tl.dot's least
+    gated_delta_rule_verify_tree_kernel[(N, H, triton.cdiv(V, BV))](
+        q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents.to(torch.int32).contiguous(), o, *strides,
+        scale, T_d, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, EPS=L2NORM_EPS, num_warps=warps,
+    )  # fmt: skip
     return o
 
 

@@ -40,9 +40,9 @@ COMMIT_WIDE_PROGRAMS_PER_SM = 16  # more 32-wide programs than this an SM: 64-wi
 # bound it there: at batch 64, 53.4 µs against 57.1 for 32-wide tiles of one warp)
 # The tree kernel's tiles: 32 columns of V, 4 warps while a launch has fewer than TREE_WIDE_PROGRAMS_PER_SM programs an
 # SM, else 2. Session 38 (same method), µs a layer, the path-replaying walk it replaced → this kernel: a tree of 8
-# (topk 2, 3 steps) 14.6 → 9.0 at batch 1 (4 warps), 63.3 → 53.9 at 16, 215.0 → 196.4 at 64 (2 warps); of 16 nodes
-# 39.9 → 10.0, 169.1 → 55.6, 570.7 → 204.7. Chains stay on the walk: 5.2 against 8.5, 18.9 against 50.2, 59.5 against
-# 183.3.
+# (topk 2, 3 steps) 14.4 → 9.4 at batch 1 (4 warps; 11.4 at 2), 63.4 → 50.6 at 16, 215.7 → 181.1 at 64 (2 warps; 68.2
+# and 265.4 at 4); of 16 nodes 39.9 → 11.1, 169.2 → 57.4, 571.8 → 209.5. Chains stay on the walk: 5.2 against 8.5,
+# 18.9 against 50.2, 59.5 against 183.3.
 TREE_BLOCK_V = 32
 TREE_WIDE_PROGRAMS_PER_SM = 2
 

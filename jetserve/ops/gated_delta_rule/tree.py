@@ -85,67 +85,7 @@ def _node_inputs(q, k, v, a, b, t, i_h, stride_q_t, stride_q_h, stride_k_t, stri
 
 
 @triton.jit
-def gated_delta_rule_verify_chain_kernel(
-    q,
-    k,
-    v,
-    a,
-    b,
-    A_log,
-    dt_bias,
-    state,
-    state_indices,
-    o,
-    stride_q_t,
-    stride_q_h,
-    stride_k_t,
-    stride_k_h,
-    stride_v_t,
-    stride_v_h,
-    stride_a_t,
-    stride_b_t,
-    stride_s,
-    scale,
-    T_d,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    EPS: tl.constexpr,
-):
-    """Every row a chain (node j's parent j - 1): b_run, the state after node j - 1 (the committed state before node
-    0), is extended by one step a node. Node j+1's inputs are loaded while node j's step runs (they do not depend on
-    the state)."""
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-
-    slot = tl.load(state_indices + i_n).to(tl.int64)
-    p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_run = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
-    b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
-    t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
-    b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0, i_h, stride_q_t, stride_q_h, stride_k_t,
-                                                stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t, o_k, m_k,
-                                                o_v, m_v, True)  # fmt: skip
-    for j in range(T_d):
-        b_k, b_q, b_v, b_a, b_b = b_k1, b_q1, b_v1, b_a1, b_b1
-        t = t0 + j
-        b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + tl.minimum(j + 1, T_d - 1), i_h, stride_q_t,
-                                                    stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-                                                    stride_a_t, stride_b_t, o_k, m_k, o_v, m_v, True)  # fmt: skip
-        b_k = unit(b_k, EPS)
-        b_q = unit(b_q, EPS) * scale
-        b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
-        b_run = delta_step(b_run, b_k, b_v, b_g, b_beta)
-        b_o = tl.sum(b_run * b_q[:, None], axis=0)  # [BV]
-        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-
-@triton.jit
-def gated_delta_rule_verify_tree_kernel(
+def gated_delta_rule_verify_kernel(
     q,
     k,
     v,
@@ -175,64 +115,89 @@ def gated_delta_rule_verify_tree_kernel(
     BV: tl.constexpr,
     BT: tl.constexpr,
     EPS: tl.constexpr,
+    CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): the chain kernel, tree_parents not read
 ):
-    """All of a tree's nodes at once. Along node m's path, with G_m the sum of g over it (m included) and
-    e_m = β_m (v_m − γ_m S_parentᵀ k_m) its step's correction: S_m = e^{G_m} S0 + Σ_{a on m's path} e^{G_m − G_a}
-    k_a e_aᵀ. So the corrections solve (I + A) E = β (V − e^G K S0), A[m, a] = β_m e^{G_m − G_a} k_m·k_a over m's
-    strict ancestors a (strictly lower triangular: parents precede children), and o = e^G Q S0 + (P ⊙ e^{G_j − G_a}
-    ⊙ Q Kᵀ) E with P[j, a] = a is j or an ancestor of j. Products are tl.dot in tf32x3 (fp32-accurate on tensor
-    cores: plain tf32 measured 4e-3 of the largest output against 7e-5)."""
+    """The chain kernel (CHAIN): b_run, the state after node j - 1 (the committed state before node 0), is extended by
+    one step a node, and node j+1's inputs are loaded while node j's step runs (they do not depend on the state).
+
+    The tree kernel: all of a tree's nodes at once. Along node m's path, with G_m the sum of g over it (m included)
+    and e_m = β_m (v_m − γ_m S_parentᵀ k_m) its step's correction: S_m = e^{G_m} S0 + Σ_{a on m's path}
+    e^{G_m − G_a} k_a e_aᵀ. So the corrections solve (I + A) E = β (V − e^G K S0), A[m, a] = β_m e^{G_m − G_a}
+    k_m·k_a over m's strict ancestors a (strictly lower triangular: parents precede children), and
+    o = e^G Q S0 + (P ⊙ e^{G_j − G_a} ⊙ Q Kᵀ) E with P[j, a] = a is j or an ancestor of j. Products are tl.dot in
+    tf32x3 (fp32-accurate on tensor cores: plain tf32 measured 4e-3 of the largest output against 7e-5)."""
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    m_k, m_v, m_t = o_k < K, o_v < V, o_t < T_d
+    m_k, m_v = o_k < K, o_v < V
     t0 = i_n.to(tl.int64) * T_d  # this sequence's first token
-    rows = t0 + o_t  # [BT]
-
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = b_k.to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + EPS)[:, None]  # [BT, BK]
-    b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
-    b_q = b_q.to(tl.float32)
-    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + EPS) * scale)[:, None]  # [BT, BK]
-    m_tv = m_t[:, None] & m_v[None, :]
-    b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :], mask=m_tv, other=0.0)
-    b_v = b_v.to(tl.float32)  # [BT, BV]
-    b_a = tl.load(a + rows * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_b = tl.load(b + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_g, b_beta = gates(b_a, b_b, tl.load(A_log + i_h), tl.load(dt_bias + i_h))  # [BT] each
-
-    # path[j, m]: m is j or an ancestor of j. All nodes walk up together: T_d hops of one vector load each.
-    parents = tree_parents + t0
-    node = tl.where(m_t, o_t, -1)
-    path = o_t[None, :] == node[:, None]  # [BT, BT]
-    for _ in range(T_d):
-        node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
-        path = path | (o_t[None, :] == node[:, None])
-    b_G = tl.sum(tl.where(path, b_g[None, :], 0.0), axis=1)  # [BT]
-    b_decay = tl.where(path, tl.exp(b_G[:, None] - b_G[None, :]), 0.0)  # [BT, BT]: e^{G_j − G_a} along j's path
-    eye = o_t[:, None] == o_t[None, :]
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="tf32x3")  # [BT, BT]
-    b_A = tl.where(path & ~eye, b_beta[:, None] * b_decay * b_kk, 0.0)
-    # (I + A)⁻¹ by forward substitution, row m from the rows above it (stable where the series Σ (−A)^i in products
-    # of squares cancels terms as large as binomial coefficients on deep paths of A entries near 1)
-    b_inv = tl.where(eye, 1.0, 0.0)  # [BT, BT]
-    for m in range(1, T_d):
-        b_row = tl.sum(tl.where(o_t[:, None] == m, b_A, 0.0), axis=0)  # [BT]: A[m, :]
-        b_inv = tl.where(o_t[:, None] == m, b_inv - tl.sum(b_row[:, None] * b_inv, axis=0)[None, :], b_inv)
-    b_eG = tl.exp(b_G)
-    b_qkd = b_decay * tl.dot(b_q, tl.trans(b_k), input_precision="tf32x3")  # [BT, BT]
-
     slot = tl.load(state_indices + i_n).to(tl.int64)
     p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
-    b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
-    b_ks = tl.dot(b_k, b_s0, input_precision="tf32x3")  # [BT, BV]
-    b_qs = tl.dot(b_q, b_s0, input_precision="tf32x3")  # [BT, BV]
-    b_e = tl.dot(b_inv, b_beta[:, None] * (b_v - b_eG[:, None] * b_ks), input_precision="tf32x3")  # [BT, BV]
-    b_o = b_eG[:, None] * b_qs + tl.dot(b_qkd, b_e, input_precision="tf32x3")  # [BT, BV]
-    tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    b_A_log, b_dt_bias = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    if CHAIN:
+        b_run = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
+        b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0, i_h, stride_q_t, stride_q_h, stride_k_t,
+                                                    stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t, o_k,
+                                                    m_k, o_v, m_v, True)  # fmt: skip
+        for j in range(T_d):
+            b_k, b_q, b_v, b_a, b_b = b_k1, b_q1, b_v1, b_a1, b_b1
+            t = t0 + j
+            b_k1, b_q1, b_v1, b_a1, b_b1 = _node_inputs(q, k, v, a, b, t0 + tl.minimum(j + 1, T_d - 1), i_h,
+                                                        stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t,
+                                                        stride_v_h, stride_a_t, stride_b_t, o_k, m_k, o_v, m_v,
+                                                        True)  # fmt: skip
+            b_k = unit(b_k, EPS)
+            b_q = unit(b_q, EPS) * scale
+            b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
+            b_run = delta_step(b_run, b_k, b_v, b_g, b_beta)
+            b_o = tl.sum(b_run * b_q[:, None], axis=0)  # [BV]
+            tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    else:
+        o_t = tl.arange(0, BT)
+        m_t = o_t < T_d
+        rows = t0 + o_t  # [BT]
+
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_k = tl.load(k + rows[:, None] * stride_k_t + i_h * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = b_k.to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + EPS)[:, None]  # [BT, BK]
+        b_q = tl.load(q + rows[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
+        b_q = b_q.to(tl.float32)
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + EPS) * scale)[:, None]  # [BT, BK]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = tl.load(v + rows[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :], mask=m_tv, other=0.0)
+        b_v = b_v.to(tl.float32)  # [BT, BV]
+        b_a = tl.load(a + rows * stride_a_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_b = tl.load(b + rows * stride_b_t + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)  # [BT] each
+
+        # path[j, m]: m is j or an ancestor of j. All nodes walk up together: T_d hops of one vector load each.
+        parents = tree_parents + t0
+        node = tl.where(m_t, o_t, -1)
+        path = o_t[None, :] == node[:, None]  # [BT, BT]
+        for _ in range(T_d):
+            node = tl.load(parents + tl.maximum(node, 0), mask=node >= 0, other=-1)
+            path = path | (o_t[None, :] == node[:, None])
+        b_G = tl.sum(tl.where(path, b_g[None, :], 0.0), axis=1)  # [BT]
+        b_decay = tl.where(path, tl.exp(b_G[:, None] - b_G[None, :]), 0.0)  # [BT, BT]: e^{G_j − G_a} along j's path
+        eye = o_t[:, None] == o_t[None, :]
+        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision="tf32x3")  # [BT, BT]
+        b_A = tl.where(path & ~eye, b_beta[:, None] * b_decay * b_kk, 0.0)
+        # (I + A)⁻¹ by forward substitution, row m from the rows above it (stable where the series Σ (−A)^i in products
+        # of squares cancels terms as large as binomial coefficients on deep paths of A entries near 1)
+        b_inv = tl.where(eye, 1.0, 0.0)  # [BT, BT]
+        for m in range(1, T_d):
+            b_row = tl.sum(tl.where(o_t[:, None] == m, b_A, 0.0), axis=0)  # [BT]: A[m, :]
+            b_inv = tl.where(o_t[:, None] == m, b_inv - tl.sum(b_row[:, None] * b_inv, axis=0)[None, :], b_inv)
+        b_eG = tl.exp(b_G)
+        b_qkd = b_decay * tl.dot(b_q, tl.trans(b_k), input_precision="tf32x3")  # [BT, BT]
+
+        b_s0 = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV] fp32, the committed state
+        b_ks = tl.dot(b_k, b_s0, input_precision="tf32x3")  # [BT, BV]
+        b_qs = tl.dot(b_q, b_s0, input_precision="tf32x3")  # [BT, BV]
+        b_e = tl.dot(b_inv, b_beta[:, None] * (b_v - b_eG[:, None] * b_ks), input_precision="tf32x3")  # [BT, BV]
+        b_o = b_eG[:, None] * b_qs + tl.dot(b_qkd, b_e, input_precision="tf32x3")  # [BT, BV]
+        tl.store(o + (rows[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -331,16 +296,12 @@ def gated_delta_rule_verify(
         return o
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
                state.stride(0))  # fmt: skip
-    if is_chain:
-        gated_delta_rule_verify_chain_kernel[(N, H, triton.cdiv(V, BV))](
-            q, k, v, a, b, A_log, dt_bias, state, state_indices, o, *strides, scale, T_d, H=H, K=K, V=V, BK=BK,
-            BV=BV, EPS=L2NORM_EPS, num_warps=warps,
-        )  # fmt: skip
-        return o
-    BV, BT = max(16, BV), max(16, triton.next_power_of_2(T_d))  # tl.dot's least
-    gated_delta_rule_verify_tree_kernel[(N, H, triton.cdiv(V, BV))](
+    if not is_chain:
+        BV = max(16, BV)  # tl.dot's least
+    BT = max(16, triton.next_power_of_2(T_d))
+    gated_delta_rule_verify_kernel[(N, H, triton.cdiv(V, BV))](
         q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents.to(torch.int32).contiguous(), o, *strides,
-        scale, T_d, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, EPS=L2NORM_EPS, num_warps=warps,
+        scale, T_d, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, EPS=L2NORM_EPS, CHAIN=is_chain, num_warps=warps,
     )  # fmt: skip
     return o
 

@@ -1,9 +1,9 @@
 """Tree verify and commit in Triton; the state is read once per program, and verify never writes it.
 
-Verify has two kernels. A chain's walks its nodes in order, extending one running state tile on chip. A tree's does
-all of its nodes at once, in the chunked delta rule's form with the ancestor mask for the causal one: no node's state
-is formed, and the work is tensor-core products on `[T_d, K]` and `[K, BV]` tiles. Commit replays the accepted path
-and writes the state once. Together verify and commit move 1.5x a decode step's state bytes."""
+Verify is one kernel with two bodies. A chain's walks its nodes in order, extending one running state tile on chip. A
+tree's does all of its nodes at once, in the chunked delta rule's form with the ancestor mask for the causal one: no
+node's state is formed, and the work is tensor-core products on `[T_d, K]` and `[K, BV]` tiles. Commit replays the
+accepted path and writes the state once. Together verify and commit move 1.5x a decode step's state bytes."""
 
 from __future__ import annotations
 
@@ -297,7 +297,7 @@ def gated_delta_rule_verify(
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
                state.stride(0))  # fmt: skip
     if not is_chain:
-        BV = max(16, BV)  # tl.dot's least
+        BV = max(16, BV)  # tl.dot's least, for a caller's block_v too
     BT = max(16, triton.next_power_of_2(T_d))
     gated_delta_rule_verify_kernel[(N, H, triton.cdiv(V, BV))](
         q, k, v, a, b, A_log, dt_bias, state, state_indices, tree_parents.to(torch.int32).contiguous(), o, *strides,

@@ -19,7 +19,11 @@ class Linear(nn.Linear):
     parameters and state_dict names."""
 
     def forward(self, x: torch.Tensor, add_norm: AddNorm | None = None) -> Output:
-        """`add_norm` = (residual, norm weight, eps): the next RMSNorm's pair instead (`ops.linear`)."""
+        """`add_norm` = (residual, norm weight, eps): the next RMSNorm's pair instead (`ops.linear`). Under autocast
+        (training: `jetserve.train`, bf16 on CUDA) nn.Linear's own forward, which autocast casts: `ops.linear`
+        requires x and the weight in one dtype, and autocast hands it bf16 activations beside fp32 weights."""
+        if add_norm is None and torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
         return linear(x, self.weight, self.bias, add_norm=add_norm)
 
     def forward_gated_norm(

@@ -103,6 +103,22 @@ def test_a_few_draft_training_steps_reduce_the_loss(tiny_train_checkpoint):
     assert target.model.embed_tokens.weight.grad is None, "the target's embedding stays frozen"
 
 
+def test_draft_training_step_runs_under_bf16_autocast(tiny_train_checkpoint):
+    """The GPU trainer's step (bf16 autocast over fp32 parameters) on the CPU's autocast: the loss is finite and
+    every draft parameter that the training-time test reaches gets a gradient (fc and o_proj are the model's
+    `Linear` layers, which failed under autocast until session 39)."""
+    target, _, draft = _setup(tiny_train_checkpoint, draft_vocab=320)
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, accs = ttt_loss(target, draft, ids, mask, num_steps=2, gdr_impl="reference")
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    for name in ("fc.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        grad = dict(draft.named_parameters())[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
 def test_expected_chain_length():
     assert expected_chain_length([1.0, 1.0]) == 3.0
     assert expected_chain_length([0.5, 0.5]) == pytest.approx(1.75)

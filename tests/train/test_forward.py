@@ -32,6 +32,24 @@ def test_training_forward_equals_inference(tiny_model, T, impl):
     torch.testing.assert_close(logits_got, logits_want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["reference", "torch"])
+def test_training_forward_runs_under_bf16_autocast(tiny_model, impl):
+    """What the trainers do on CUDA (bf16 autocast over fp32 parameters), here on the CPU's autocast: the forward
+    runs (the model's `Linear` layers take autocast's bf16 activations beside fp32 weights), gives gradients, and
+    stays within bf16 rounding of the fp32 forward. Session 39 found both GPU trainers failing on it at step 1."""
+    tiny_model.requires_grad_(True)
+    rows = torch.randint(0, tiny_model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, _ = forward_hidden(tiny_model, rows, gdr_impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = forward_hidden(tiny_model, rows, gdr_impl=impl)
+        loss = causal_lm_loss(tiny_model, rows[:, :-1], rows[:, 1:], gdr_impl=impl)
+    assert torch.isfinite(got).all()
+    assert (got.float() - want).abs().max() <= 0.1 * want.abs().max()
+    loss.backward()
+    assert tiny_model.model.layers[0].self_attn.o_proj.weight.grad is not None
+
+
 def test_training_forward_has_gradients_for_every_parameter(tiny_model):
     tiny_model.requires_grad_(True)
     rows = torch.randint(0, tiny_model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))

@@ -18,6 +18,7 @@ from jetserve.sampling_params import SamplingParams
 SETTINGS = {
     "chain 3": dict(spec_topk=1, spec_steps=3),
     "chain 5": dict(spec_topk=1, spec_steps=5),
+    "chain 7": dict(spec_topk=1, spec_steps=7),
     "tree 8 (top-2, 3 levels)": dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=8),
 }
 

@@ -255,6 +255,28 @@ def regenerate_answers(
     return answers
 
 
+def regenerate_answers_engine(
+    checkpoint: str | Path,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...],
+    device: torch.device,
+    max_num_seqs: int = 256,
+) -> list[list[int]]:
+    """`regenerate_answers` through jetserve's engine (paged K/V, continuous batching, CUDA graphs on a GPU): the same
+    greedy answers, the stop token kept, in bf16 on CUDA (fp32 elsewhere). Session 39 (H200, the default model): 12,000
+    answers, 1.38 M tokens, in 93 s, where the per-token re-forward would take hours."""
+    from jetserve.llm import LLM
+    from jetserve.sampling_params import SamplingParams
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    longest = max((len(ids) for ids in prompt_ids), default=0)
+    llm = LLM(str(checkpoint), dtype=dtype, device=str(device), max_num_seqs=max_num_seqs,
+              max_model_len=longest + max_new_tokens + 8)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids))
+    return [list(out.output_token_ids) for out in llm.generate(prompt_ids, params)] if prompt_ids else []
+
+
 @dataclass
 class DraftTrainConfig:
     max_steps: int = 2000
@@ -348,8 +370,12 @@ def run(args: argparse.Namespace) -> int:
             prompts = prompts[:limit]
             ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
             ids = [x[-args.max_prompt_tokens :] for x in ids]
-            answers = regenerate_answers(target, ids, args.max_new_tokens, tokenizer.eos_token_ids,
-                                         args.generate_batch_size, cfg.gdr_impl)  # fmt: skip
+            if args.regenerate_with == "engine":
+                answers = regenerate_answers_engine(args.target, ids, args.max_new_tokens, tokenizer.eos_token_ids,
+                                                    device, args.generate_batch_size)  # fmt: skip
+            else:
+                answers = regenerate_answers(target, ids, args.max_new_tokens, tokenizer.eos_token_ids,
+                                             args.generate_batch_size, cfg.gdr_impl)  # fmt: skip
             data[split] = {"prompts": prompts, "answers": answers}
             print(f"eagle3: regenerated {len(prompts)} {split} answers ({time.monotonic() - start:.0f} s)",
                   file=sys.stderr)  # fmt: skip
@@ -456,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--generate-batch-size", type=int, default=256)
+    p.add_argument(
+        "--regenerate-with", choices=["forward", "engine"], default="forward",
+        help="forward: the training forward, re-run per token (exact to the training model's numerics, slow); "
+        "engine: jetserve's engine (bf16 on CUDA; fast)",
+    )  # fmt: skip
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--device")
     for name, default in asdict(DraftTrainConfig()).items():

@@ -15,6 +15,7 @@ from jetserve.train.eagle3 import (
     main,
     new_draft_model,
     regenerate_answers,
+    regenerate_answers_engine,
     target_outputs,
     target_to_draft,
     ttt_loss,
@@ -134,6 +135,18 @@ def test_regenerate_answers_is_greedy_and_stops(tiny_train_checkpoint):
     for prompt, answer in zip(prompts, got, strict=True):
         want = generate_tokens(target, prompt, 6, stop_token_ids=stop).token_ids
         assert answer == want
+
+
+def test_engine_regeneration_equals_the_forward_one(tiny_train_checkpoint):
+    """`--regenerate-with engine` gives the per-token re-forward's greedy answers (fp32 on the CPU), stop token kept."""
+    target = load_model(tiny_train_checkpoint, dtype="float32")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40] * 9]
+    want = regenerate_answers(target, prompts, max_new_tokens=7, stop_ids=(300,), batch_size=2, gdr_impl="reference")
+    stop = want[0][2]  # a token the first answer reaches: that answer must end on it
+    want = regenerate_answers(target, prompts, max_new_tokens=7, stop_ids=(stop,), batch_size=2, gdr_impl="reference")
+    got = regenerate_answers_engine(tiny_train_checkpoint, prompts, 7, (stop,), torch.device("cpu"), max_num_seqs=2)
+    assert got == want
+    assert got[0][-1] == stop and len(got[0]) == 3
 
 
 def test_export_loads_through_the_eagle3_loader(tiny_train_checkpoint, tmp_path):

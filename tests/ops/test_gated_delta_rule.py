@@ -382,10 +382,10 @@ def check_decoded(o, o_ref, pool, pool_ref, before) -> None:
 @pytest.mark.parametrize(
     "chain,is_chain,N,T_d,block_v,warps",
     [
-        (True, True, 3, 6, BLOCK_V, None),  # the chain kernel: parents not read
+        (True, True, 3, 6, BLOCK_V, None),  # the chain body: parents not read
         (True, True, 3, 6, 8, 2),  # 8-wide tiles: V in three, several warps a program
         (True, True, 2, 1, None, None),  # the root alone; the launch's own tiles
-        (True, False, 3, 6, BLOCK_V, None),  # a chain through the tree kernel
+        (True, False, 3, 6, BLOCK_V, None),  # a chain through the tree body
         (False, False, 3, 6, BLOCK_V, None),
         (False, False, 3, 6, 32, 2),  # one tile past V
         (False, False, 2, 1, None, None),

@@ -38,7 +38,7 @@ CHAIN_PROGRAMS_PER_SM = 2
 COMMIT_NARROW_PROGRAMS_PER_SM = 2  # fewer 32-wide programs than this an SM: 16-wide tiles
 COMMIT_WIDE_PROGRAMS_PER_SM = 16  # more 32-wide programs than this an SM: 64-wide tiles of 4 warps (the state's bytes
 # bound it there: at batch 64, 53.4 µs against 57.1 for 32-wide tiles of one warp)
-# The tree kernel's tiles: 32 columns of V, 4 warps while a launch has fewer than TREE_WIDE_PROGRAMS_PER_SM programs an
+# The tree body's tiles: 32 columns of V, 4 warps while a launch has fewer than TREE_WIDE_PROGRAMS_PER_SM programs an
 # SM, else 2. Session 38 (same method), µs a layer, the path-replaying walk it replaced → this kernel: a tree of 8
 # (topk 2, 3 steps) 14.4 → 9.4 at batch 1 (4 warps; 11.4 at 2), 63.4 → 50.6 at 16, 215.7 → 181.1 at 64 (2 warps; 68.2
 # and 265.4 at 4); of 16 nodes 39.9 → 11.1, 169.2 → 57.4, 571.8 → 209.5. Chains stay on the walk: 5.2 against 8.5,
@@ -115,13 +115,13 @@ def gated_delta_rule_verify_kernel(
     BV: tl.constexpr,
     BT: tl.constexpr,
     EPS: tl.constexpr,
-    CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): the chain kernel, tree_parents not read
+    CHAIN: tl.constexpr,  # every row is a chain (parent j - 1): the chain body, tree_parents not read
 ):
-    """The chain kernel (CHAIN): b_run, the state after node j - 1 (the committed state before node 0), is extended by
+    """The chain body (CHAIN): b_run, the state after node j - 1 (the committed state before node 0), is extended by
     one step a node, and node j+1's inputs are loaded while node j's step runs (they do not depend on the state).
 
-    The tree kernel: all of a tree's nodes at once. Along node m's path, with G_m the sum of g over it (m included)
-    and e_m = β_m (v_m − γ_m S_parentᵀ k_m) its step's correction: S_m = e^{G_m} S0 + Σ_{a on m's path}
+    The tree body: all of a tree's nodes at once. Along node m's path, with G_m the sum of g over it (m included)
+    and e_m = β_m (v_m − e^{g_m} S_parentᵀ k_m) its step's correction: S_m = e^{G_m} S0 + Σ_{a on m's path}
     e^{G_m − G_a} k_a e_aᵀ. So the corrections solve (I + A) E = β (V − e^G K S0), A[m, a] = β_m e^{G_m − G_a}
     k_m·k_a over m's strict ancestors a (strictly lower triangular: parents precede children), and
     o = e^G Q S0 + (P ⊙ e^{G_j − G_a} ⊙ Q Kᵀ) E with P[j, a] = a is j or an ancestor of j. Products are tl.dot in
@@ -274,8 +274,8 @@ def gated_delta_rule_verify(
     """Draft-tree outputs without writing `state`: q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), token
     `i*T_d + j` is node j of sequence i, tree_parents `[N, T_d]` int32 (-1 for node 0, else `parent < j`),
     state `[S, H, K, V]` fp32, state_indices `[N]`. `is_chain`: the caller's promise that every row is a chain
-    (parent j - 1), which the chain kernel then takes without reading tree_parents; else the tree kernel. Grid
-    (N, H, V / block_v); block_v and num_warps default to `chain_tiles` or `tree_tiles` (the tree kernel's block_v is
+    (parent j - 1), which the chain body then takes without reading tree_parents; else the tree body. Grid
+    (N, H, V / block_v); block_v and num_warps default to `chain_tiles` or `tree_tiles` (the tree body's block_v is
     at least 16). Returns o `[T, H, V]` in `v.dtype`.
     """
     check_heads(q, k, v, a, b)

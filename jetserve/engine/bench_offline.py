@@ -26,6 +26,8 @@ from jetserve.model.jet_nemotron import FP32_PARAMETERS, JetNemotronForCausalLM,
 from jetserve.ops.jit_watch import watch_specializations
 from jetserve.sampling_params import SamplingParams
 
+MTBENCH_PROMPTS = 80  # MT-bench's questions: `--dataset mtbench` answers them all at every batch size by default
+
 
 def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
@@ -40,7 +42,15 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts: random tokens of --input-len, or MT-bench first turns in the model's chat template (needs a "
         "checkpoint with a tokenizer; for τ with a trained draft)",
     )  # fmt: skip
-    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
+    p.add_argument(
+        "--output-len", type=int, default=256,
+        help="generated tokens per request (random); the most per request, each stopping at its end of turn (mtbench)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-prompts", type=int,
+        help=f"mtbench: the questions each batch size answers, at most that many at a time (default "
+        f"{MTBENCH_PROMPTS}: all; a batch size past it takes as many, the questions cycled)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -118,6 +128,10 @@ class BenchResult:
     # timed step; 0 when warm): see ops.jit_watch.
     new_specializations: int | None = None
     spec_new_specializations: int | None = None
+    # The requests this batch size ran (at most batch_size at a time; mtbench: a finished request's place goes to the
+    # next question) and whether each stopped at its end of turn (mtbench) or ran to output_len (random).
+    num_prompts: int | None = None
+    stops_at_eos: bool = False
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
@@ -135,6 +149,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     dataset = getattr(args, "dataset", "random")
     if dataset != "random" and not args.model:
         raise ValueError(f"--dataset {dataset}: needs --model (a checkpoint with a tokenizer)")
+    num_prompts = getattr(args, "num_prompts", None)
+    if num_prompts is not None and (dataset != "mtbench" or num_prompts < 1):
+        raise ValueError("--num-prompts: needs --dataset mtbench and a count ≥ 1")
     kwargs = _engine_kwargs(args, batch_sizes)
     forced = getattr(args, "forced_acceptance", None)
     tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
@@ -147,8 +164,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         tflops = measure_gemm_tflops(device, engine.runner.dtype)
         results = []
         for batch_size in batch_sizes:
-            prompts = bench_prompts(engine, dataset, batch_size, args.input_len, args.seed)
-            result = bench_batch(engine, prompts, args.output_len, bandwidth, tflops)
+            prompts = bench_prompts(engine, dataset, batch_size, args.input_len, args.seed, num_prompts)
+            result = bench_batch(engine, prompts, args.output_len, bandwidth, tflops, batch_size,
+                                 stop_at_eos=dataset == "mtbench")  # fmt: skip
             results.append(result)
             if args.json:
                 print(json.dumps(asdict(result)), flush=True)
@@ -325,9 +343,11 @@ def prefill_flops(engine: LLMEngine, num_tokens: int, input_len: int) -> float:
     return num_tokens * (2 * params + 4 * attn_dim * per_token_keys)
 
 
-def bench_prompts(engine: LLMEngine, dataset: str, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
-    """`batch_size` prompts: random tokens (`input_len` each), or the MT-bench first turns in file order (cycled) in
-    the model's chat template."""
+def bench_prompts(
+    engine: LLMEngine, dataset: str, batch_size: int, input_len: int, seed: int, num_prompts: int | None = None
+) -> list[list[int]]:
+    """`batch_size` prompts of random tokens (`input_len` each), or `num_prompts` (default MTBENCH_PROMPTS, at least
+    `batch_size`) MT-bench first turns in file order (cycled) in the model's chat template."""
     if dataset == "random":
         gen = torch.Generator().manual_seed(seed + batch_size)
         return torch.randint(0, engine.model_config.vocab_size, (batch_size, input_len), generator=gen).tolist()
@@ -336,7 +356,8 @@ def bench_prompts(engine: LLMEngine, dataset: str, batch_size: int, input_len: i
     if engine.tokenizer is None:
         raise ValueError(f"--dataset {dataset}: the model has no tokenizer")
     questions = load_questions()
-    texts = [questions[i % len(questions)]["turns"][0] for i in range(batch_size)]
+    count = max(batch_size, num_prompts or MTBENCH_PROMPTS)
+    texts = [questions[i % len(questions)]["turns"][0] for i in range(count)]
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     longest = max(len(p) for p in prompts)
@@ -346,24 +367,35 @@ def bench_prompts(engine: LLMEngine, dataset: str, batch_size: int, input_len: i
 
 
 def bench_batch(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, bandwidth: float, tflops: float
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    bandwidth: float,
+    tflops: float,
+    batch_size: int | None = None,
+    *,
+    stop_at_eos: bool = False,
 ) -> BenchResult:
-    """Prefill `prompts` alone, then decode them `output_len` tokens plainly (and speculatively, with a draft)."""
+    """Prefill the first `batch_size` (default: all) of `prompts` alone, then decode `prompts`, at most `batch_size`
+    at a time (a finished request's place goes to the next prompt), `output_len` tokens each or, `stop_at_eos`, to
+    each one's end of turn within `output_len` — plainly, and speculatively with a draft. Decode figures are over the
+    steps that decoded `batch_size` sequences and nothing else."""
     device = engine.runner.device
-    batch_size = len(prompts)
+    batch_size = batch_size or len(prompts)
+    batch = prompts[:batch_size]
     input_len = round(statistics.mean(len(p) for p in prompts))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     extra = catch_up_steps(batch_size, input_len, engine.config.max_num_batched_tokens)
-    _warm_up(engine, prompts, output_len + extra)
+    _warm_up(engine, batch, output_len + extra)
     if engine.spec is not None:
         engine.set_speculation(False)
     # Prefill alone: one token each, so no decode rows mix into the timed steps.
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    prefill_seconds = _run(engine, prompts, params, f"prefill b={batch_size}").seconds
+    prefill_seconds = _run(engine, batch, params, f"prefill b={batch_size}").seconds
     # Decode: time only the steps that decode the whole batch at once; early-prefilled sequences get the catch-up
     # steps on top (the roofline's context grows by as much).
-    params = SamplingParams(temperature=0, max_tokens=output_len + extra, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len + extra, ignore_eos=not stop_at_eos)
     with watch_specializations() as plain_new:
         plain = _run(engine, prompts, params, f"decode  b={batch_size}", batch_size)
     _report_specializations(f"decode  b={batch_size}", plain_new)
@@ -373,11 +405,12 @@ def bench_batch(
     if engine.spec is not None:
         spec_fields = _bench_speculative(engine, prompts, params, plain, batch_size)
     if not decode_steps:
-        raise ValueError(f"--batch-sizes: {batch_size} never decoded as one batch (too few state slots or pages?)")
+        raise ValueError(f"--batch-sizes: {batch_size} never decoded as one batch (too few state slots or pages, or "
+                         f"every request ended before the last one started decoding?)")  # fmt: skip
     tpot = statistics.median(decode_steps)
     step_bytes = decode_step_bytes(engine, batch_size, input_len + extra + output_len // 2)
     tpot_roofline = step_bytes / bandwidth
-    prefill_tokens = batch_size * input_len
+    prefill_tokens = sum(map(len, batch))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     steps = math.ceil(prefill_tokens / engine.config.max_num_batched_tokens)
     prefill_roofline_s = max(prefill_flops(engine, prefill_tokens, input_len) / (tflops * 1e12),
@@ -399,6 +432,8 @@ def bench_batch(
         copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
         gemm_tflops=round(tflops, 1),
         new_specializations=sum(plain_new.values()),
+        num_prompts=len(prompts),
+        stops_at_eos=stop_at_eos,
         **spec_fields,
     )
 
@@ -484,10 +519,14 @@ class RunResult:
 def _run(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, label: str, full_batch: int = 0
 ) -> RunResult:
-    """Generate to the end, timing the steps that decoded `full_batch` sequences at once."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{label}-{i}", prompt, params)
-    total_steps = _estimate_steps(engine, prompts, params)
+    """Generate to the end, timing the steps that decoded `full_batch` sequences at once. With `full_batch` below
+    the prompts, at most that many requests are in the engine at a time: each finished one's place goes to the next
+    prompt (request `{label}-{i}` is prompt i)."""
+    in_flight = full_batch if 0 < full_batch < len(prompts) else len(prompts)
+    for i in range(in_flight):
+        engine.add_request(f"{label}-{i}", prompts[i], params)
+    next_prompt = in_flight
+    total_steps = _estimate_steps(engine, prompts, params, in_flight)
     decode_steps: list[float] = []
     decode_tokens = 0
     step_verified: list[bool] = []
@@ -506,6 +545,9 @@ def _run(
         for out in outs:
             if out.finished:
                 outputs[out.request_id] = out.output_token_ids
+                if next_prompt < len(prompts):
+                    engine.add_request(f"{label}-{next_prompt}", prompts[next_prompt], params)
+                    next_prompt += 1
         step += 1
         _progress(label, step, total_steps)
     seconds = time.perf_counter() - start
@@ -523,9 +565,10 @@ def _is_full_decode(engine: LLMEngine, batch_size: int) -> bool:
     return len(running) == batch_size and all(s.is_decoding and s.status == SequenceStatus.RUNNING for s in running)
 
 
-def _estimate_steps(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> int:
+def _estimate_steps(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, in_flight: int) -> int:
+    """Steps if every request runs to max_tokens, `in_flight` at a time (an end of turn makes it fewer)."""
     prefill = math.ceil(sum(len(p) for p in prompts) / engine.config.max_num_batched_tokens)
-    return prefill + (params.max_tokens or 1) - 1
+    return prefill + math.ceil(len(prompts) / max(in_flight, 1)) * ((params.max_tokens or 1) - 1)
 
 
 def _progress(label: str, done: int, total: int, width: int = 30) -> None:

@@ -86,13 +86,17 @@ def test_bench_offline_mtbench_prompts_with_the_default_draft(capsys):
     from jetserve.evals.mtbench import load_questions
 
     args = parse(["--model", "default", "--draft", "default", "--dataset", "mtbench", "--batch-sizes", "2",
-                  "--output-len", "12", "--dtype", "float32", "--device", "cpu", "--json",
+                  "--num-prompts", "3", "--output-len", "12", "--dtype", "float32", "--device", "cpu", "--json",
                   "--no-spec-adaptive"])  # fmt: skip
     assert run_offline_bench(args) == 0
     (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert r["spec_tau"] > 1.5 and r["spec_speedup"] > 0
+    assert r["num_prompts"] == 3 and r["stops_at_eos"]
     first = load_questions()[0]["turns"][0]
     assert r["input_len"] != 1024 and r["input_len"] > len(first.split())
+    for bad in (["--num-prompts", "0"], ["--dataset", "random", "--num-prompts", "4"]):
+        with pytest.raises(ValueError, match="--num-prompts: needs --dataset mtbench"):
+            run_offline_bench(parse(["--model", "default", "--dataset", "mtbench", "--device", "cpu", *bad]))
     with pytest.raises(ValueError, match="--input-len 8: an MT-bench prompt has"):
         run_offline_bench(parse(["--model", "default", "--dataset", "mtbench", "--input-len", "8", "--batch-sizes",
                                  "1", "--device", "cpu"]))  # fmt: skip
@@ -107,3 +111,34 @@ def test_progress_never_counts_past_its_total(capsys):
     assert capsys.readouterr().err == "\rdecode b=2 [###.......] 3/10 steps"
     _progress("decode b=2", 12, 10, width=10)  # more steps than the estimate: the bar is full, the total follows
     assert capsys.readouterr().err == "\rdecode b=2 [##########] 12/12 steps"
+
+
+def test_bench_runs_at_most_batch_size_requests_at_a_time_to_their_end_of_turn():
+    """Prompts past the batch size wait for a finished request's place; with `stop_at_eos` each request ends at its
+    end of turn (within output_len), as the model answers: the outputs equal `LLM.generate`'s, and the engine never
+    held more than the batch size."""
+    from jetserve.assets import DEFAULT_MODEL
+    from jetserve.engine.bench_offline import _run
+    from jetserve.llm import LLM
+    from jetserve.sampling_params import SamplingParams
+
+    llm = LLM(str(DEFAULT_MODEL), dtype="float32", device="cpu", max_num_seqs=8)
+    engine, tok = llm.engine, llm.tokenizer
+    texts = ["Hi!", "Name a colour.", "What is 2 + 2?", "Say yes.", "Count to three."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    most = 0
+    step = engine.step
+
+    def counting_step():
+        nonlocal most
+        most = max(most, len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return step()
+
+    engine.step = counting_step
+    run = _run(engine, prompts, params, "capped", full_batch=2)
+    engine.step = step
+    want = [o.output_token_ids for o in llm.generate(prompts, params)]
+    assert run.outputs == want and most == 2
+    assert any(len(o) < 48 for o in want), "no answer ended before max_tokens: the test does not test stopping"
+    assert run.decode_step_seconds and len(run.decode_step_seconds) == len(run.step_verified)

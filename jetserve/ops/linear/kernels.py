@@ -35,6 +35,7 @@ MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (i
 NORM_MIN_TILES_PER_SPLIT = 3  # ... and at least this many of the gated-norm mode's head-wide tiles (`widened_tiling`)
 SWIGLU_BLOCK_N = 128  # the SwiGLU mode's tensor-core tiles (`swiglu_tiling`): an x tile's silu(gate)·up feeds this
 SWIGLU_WARPS = 8  # many weight rows, with this many warps
+FP32_DOT_PRECISION = "ieee"  # fp32 operands on tensor-core tiles: tl.dot's exact fp32 (16-bit ones ignore it)
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -607,7 +608,7 @@ def _launch(
         USE_DOT=t.use_dot,
         EVEN_M=num_rows == t.block_m,
         EVEN_K=k % t.block_k == 0,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION=FP32_DOT_PRECISION if x.dtype == torch.float32 else "tf32",
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,

@@ -196,8 +196,8 @@ def _forced_2b_runs(dtype: str, forced: str, prompt_lengths: tuple[int, ...], **
                                           (dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=8), 3.0)],
                          ids=["chain", "tree"])  # fmt: skip
 def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact(shape, min_tau):
-    """4 layers of the real 2B shapes in fp32 (every Triton kernel and GEMM fp32-accurate: IEEE fp32, or the tree
-    verify's tf32x3 products) with a random draft forced to the plain run's greedy continuation: the speculative output
+    """4 layers of the real 2B shapes in fp32 (every Triton kernel and GEMM fp32-accurate: IEEE fp32, or tf32x3
+    products in the skinny GEMM's tensor-core tiles and the tree verify) with a random draft forced to the plain run's greedy continuation: the speculative output
     is the plain output token for token, and nearly every draft is accepted. (In bf16 these random weights put the top
     two logits within the bf16 noise of the two paths at many steps, so forced drafts there measure rounding, not
     verify: see the trained model's test below.)"""

@@ -35,7 +35,12 @@ MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (i
 NORM_MIN_TILES_PER_SPLIT = 3  # ... and at least this many of the gated-norm mode's head-wide tiles (`widened_tiling`)
 SWIGLU_BLOCK_N = 128  # the SwiGLU mode's tensor-core tiles (`swiglu_tiling`): an x tile's silu(gate)·up feeds this
 SWIGLU_WARPS = 8  # many weight rows, with this many warps
-FP32_DOT_PRECISION = "ieee"  # fp32 operands on tensor-core tiles: tl.dot's exact fp32 (16-bit ones ignore it)
+# fp32 operands on tensor-core tiles (16-bit ones ignore it): three TF32 products per term, the split operands' low
+# parts included. Session 40 (H200, 2B shapes, weights from HBM, µs per call, the largest error against an fp64 product
+# over the largest output), `ieee` → `tf32x3` (cuBLAS fp32 without TF32 beside): at 7 rows the fused input 136.8 → 38.3
+# (35.9), gate|up 200.3 → 45.3 (66.9), down 86.7 → 25.1 (87.0), o_proj 51.2 → 15.9 (31.2); errors 0.8-1.8e-6 →
+# 3.5-4.2e-7 (cuBLAS 1.6-9.8e-7). One row's FMA tiles take no dot.
+FP32_DOT_PRECISION = "tf32x3"
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 

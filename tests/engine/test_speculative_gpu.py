@@ -199,9 +199,8 @@ def test_gpu_speculative_2b_shapes_fp32_forced_right_is_exact(shape, min_tau):
     """4 layers of the real 2B shapes in fp32 (every Triton kernel and GEMM fp32-accurate: IEEE fp32, or tf32x3
     products in the skinny GEMM's tensor-core tiles and the tree verify) with a random draft forced to the plain run's
     greedy continuation: the speculative output is the plain output token for token, and nearly every draft is
-    accepted. (In bf16 these random weights put the top
-    two logits within the bf16 noise of the two paths at many steps, so forced drafts there measure rounding, not
-    verify: see the trained model's test below.)"""
+    accepted. (In bf16 these random weights put the top two logits within the bf16 noise of the two paths at many
+    steps, so forced drafts there measure rounding, not verify: see the trained model's test below.)"""
     engine, plain, outs = _forced_2b_runs("float32", "right", (40, 300, 7, 1000), **shape)
     assert outs == plain
     assert engine.spec_stats.mean_acceptance_length > min_tau

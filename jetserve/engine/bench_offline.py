@@ -602,6 +602,10 @@ def print_table(results: list[BenchResult]) -> None:
                   f"plain steps {_pair(r.spec_plain_step_ms)}, verify {_pair(r.spec_verify_step_ms)}")  # fmt: skip
     if results:
         r = results[0]
+        if r.stops_at_eos:
+            counts = ", ".join(f"{x.num_prompts} at batch {x.batch_size}" for x in results)
+            print(f"requests: {counts}, at most the batch size at a time, each to its end of turn (at most "
+                  f"{r.output_len} tokens); decode figures over the steps that decoded a full batch")  # fmt: skip
         print(f"copy bandwidth {r.copy_bandwidth_gb_s:.0f} GB/s, GEMM {r.gemm_tflops:.0f} TFLOP/s (measured here)")
 
 

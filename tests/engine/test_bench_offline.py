@@ -94,6 +94,12 @@ def test_bench_offline_mtbench_prompts_with_the_default_draft(capsys):
     assert r["num_prompts"] == 3 and r["stops_at_eos"]
     first = load_questions()[0]["turns"][0]
     assert r["input_len"] != 1024 and r["input_len"] > len(first.split())
+    # the table says what the run's requests were
+    from jetserve.engine.bench_offline import BenchResult, print_table
+
+    print_table([BenchResult(**r)])
+    table = capsys.readouterr().out
+    assert "requests: 3 at batch 2, at most the batch size at a time, each to its end of turn" in table
     for bad in (["--num-prompts", "0"], ["--dataset", "random", "--num-prompts", "4"]):
         with pytest.raises(ValueError, match="--num-prompts: needs --dataset mtbench"):
             run_offline_bench(parse(["--model", "default", "--dataset", "mtbench", "--device", "cpu", *bad]))

@@ -263,9 +263,10 @@ def regenerate_answers_engine(
     device: torch.device,
     max_num_seqs: int = 256,
 ) -> list[list[int]]:
-    """`regenerate_answers` through jetserve's engine (paged K/V, continuous batching, CUDA graphs on a GPU): the same
-    greedy answers, the stop token kept, in bf16 on CUDA (fp32 elsewhere). Session 39 (H200, the default model, bf16):
-    12,000 answers, 1.38 M tokens, in 93 s through the engine; the per-token re-forward was not timed at that size."""
+    """`regenerate_answers` through jetserve's engine (paged K/V, continuous batching, CUDA graphs on a GPU): greedy
+    answers, the stop token kept, in bf16 on CUDA (fp32 elsewhere, where they equal the re-forward's: its test). Session
+    39 (H200, the default model, bf16): 12,000 answers, 1.38 M tokens, in 93 s through the engine; the per-token
+    re-forward was not timed at that size."""
     if not prompt_ids:
         return []
     from jetserve.llm import LLM

@@ -12,6 +12,7 @@ vocabulary holds.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -341,13 +342,59 @@ def export_draft(draft: Eagle3DraftModel, config: dict[str, Any], out_dir: str |
     return out
 
 
-def _read_prompts(path: Path, split: str) -> list[str]:
-    prompts = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("split", "train") == split:
-            prompts.append(record["prompt"])
-    return prompts
+def read_prompt_records(path: str | Path) -> list[dict[str, str]]:
+    """{"prompt", "source", "group", "split"} from a JSONL (or .jsonl.gz) file of `{"prompt", …}` records (the
+    corpus' prompts.jsonl) or of conversations `{"messages", …}` (its chat.jsonl: the first user turn is the prompt).
+    A record without a source takes the file's name, its group is "FILE:SOURCE" (the corpus has "template" prompts
+    in both files, of different kinds); without a split it is a training one."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "prompt" in record:
+                prompt = record["prompt"]
+            else:
+                users = [m["content"] for m in record.get("messages", []) if m.get("role") == "user"]
+                if not users:
+                    raise ValueError(f"{path}:{n}: a record needs a 'prompt' or a user turn in 'messages'")
+                prompt = users[0]
+            name = path.name.split(".")[0]
+            source = record.get("source", name)
+            records.append({"prompt": prompt, "source": source, "group": f"{name}:{source}",
+                            "split": record.get("split", "train")})  # fmt: skip
+    return records
+
+
+def select_prompts(records: list[dict[str, str]], split: str, limit: int, seed: int,
+                   exclude_sources: tuple[str, ...] = ()) -> list[dict[str, str]]:  # fmt: skip
+    """Up to `limit` records of `split` with distinct prompts, none whose source or group is in `exclude_sources`,
+    drawn evenly across groups (each group's share is equal; a group with fewer gives all it has and the rest goes to
+    the others), each group shuffled by `seed`. File order would give the first source alone: the corpus' first
+    4,096 training prompts are all templates."""
+    by_group: dict[str, dict[str, dict[str, str]]] = {}
+    for r in records:
+        if r["split"] == split and r["source"] not in exclude_sources and r["group"] not in exclude_sources:
+            by_group.setdefault(r["group"], {}).setdefault(r["prompt"], r)
+    gen = torch.Generator().manual_seed(seed)
+    pools = []
+    for group in sorted(by_group):
+        pool = list(by_group[group].values())
+        pools.append([pool[i] for i in torch.randperm(len(pool), generator=gen).tolist()])
+    # Round-robin over the shuffled groups: the first k·n picks hold k of every group that has k.
+    picked: list[dict[str, str]] = []
+    seen: set[str] = set()
+    for depth in range(max((len(pool) for pool in pools), default=0)):
+        for pool in pools:
+            if len(picked) == limit:
+                return picked
+            if depth < len(pool) and pool[depth]["prompt"] not in seen:
+                picked.append(pool[depth])
+                seen.add(pool[depth]["prompt"])
+    return picked
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,10 +414,20 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(answers_path.read_text())
     else:
         data = {}
+        records = [r for path in args.prompts for r in read_prompt_records(path)]
+        exclude = tuple(x for x in (args.exclude_sources or "").split(",") if x)
+        known = {r["source"] for r in records} | {r["group"] for r in records}
+        unknown = sorted(set(exclude) - known)
+        if unknown:
+            raise ValueError(f"--exclude-sources: no record has source or group {', '.join(unknown)} "
+                             f"(those there: {', '.join(sorted(known))})")  # fmt: skip
         for split in ("train", "heldout"):
-            prompts = _read_prompts(Path(args.prompts), split)
             limit = args.num_prompts if split == "train" else args.num_heldout_prompts
-            prompts = prompts[:limit]
+            picked = select_prompts(records, split, limit, cfg.seed, exclude)
+            prompts = [r["prompt"] for r in picked]
+            by_source = {}
+            for r in picked:
+                by_source[r["group"]] = by_source.get(r["group"], 0) + 1
             ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
             ids = [x[-args.max_prompt_tokens :] for x in ids]
             if args.regenerate_with == "engine":
@@ -379,9 +436,9 @@ def run(args: argparse.Namespace) -> int:
             else:
                 answers = regenerate_answers(target, ids, args.max_new_tokens, tokenizer.eos_token_ids,
                                              args.generate_batch_size, cfg.gdr_impl)  # fmt: skip
-            data[split] = {"prompts": prompts, "answers": answers}
-            print(f"eagle3: regenerated {len(prompts)} {split} answers ({time.monotonic() - start:.0f} s)",
-                  file=sys.stderr)  # fmt: skip
+            data[split] = {"prompts": prompts, "answers": answers, "sources": by_source}
+            print(f"eagle3: regenerated {len(prompts)} {split} answers ({time.monotonic() - start:.0f} s); "
+                  f"prompts by source: {json.dumps(by_source)}", file=sys.stderr)  # fmt: skip
         tmp = answers_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, answers_path)
@@ -438,6 +495,8 @@ def run(args: argparse.Namespace) -> int:
             paused = True
             break
     summary: dict[str, Any] = {"step": step, "max_steps": cfg.max_steps}
+    if "sources" in data["train"]:
+        summary["prompts_by_source"] = {split: data[split]["sources"] for split in ("train", "heldout")}
     if paused:
         print(f"eagle3: PAUSED at step {step}/{cfg.max_steps} (time budget); run the same command to resume")
     else:
@@ -475,7 +534,16 @@ def evaluate_draft(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jetserve.train.eagle3", description=__doc__)
     p.add_argument("--target", required=True, help="the target checkpoint (HF layout, with its tokenizer)")
-    p.add_argument("--prompts", required=True, help="JSONL with {prompt, split} records (the corpus' prompts.jsonl)")
+    p.add_argument(
+        "--prompts", required=True, action="append",
+        help="JSONL (or .jsonl.gz) of {prompt, source, split} records (the corpus' prompts.jsonl) or of conversations "
+        "{messages, source, split} (its chat.jsonl: the first user turn); repeat to mix files",
+    )  # fmt: skip
+    p.add_argument(
+        "--exclude-sources",
+        help="comma-separated sources (mt-bench) or FILE:SOURCE groups (chat:template) left out; training prompts "
+        "are drawn evenly across the FILE:SOURCE groups left",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="run folder: answers.json, state.pt, summary.json, done")
     p.add_argument("--export", help="where to write the draft (default OUT/draft)")
     p.add_argument("--draft-vocab-size", type=int, default=4096)

@@ -167,7 +167,7 @@ def _jet_block(jet: JetBlock, x: torch.Tensor, impl: str) -> torch.Tensor:
     o = _gated_delta_rule(jet, q, k, v, a, b, impl)  # [B, T, H, V]
     gate = jet.g_proj(x).view(B * T, H, V)  # [B*T, H, V]
     y = gated_rms_norm(o.reshape(B * T, H, V).to(gate.dtype), jet.o_norm.weight, gate, jet.norm_eps)
-    return jet.o_proj(y.view(B, T, H * V))  # [B, T, D]
+    return jet.o_proj(y.reshape(B, T, H * V))  # [B, T, D]
 
 
 def forward_hidden(

@@ -1,3 +1,5 @@
+import collections
+import gzip
 import json
 
 import pytest
@@ -14,8 +16,10 @@ from jetserve.train.eagle3 import (
     export_draft,
     main,
     new_draft_model,
+    read_prompt_records,
     regenerate_answers,
     regenerate_answers_engine,
+    select_prompts,
     target_outputs,
     target_to_draft,
     ttt_loss,
@@ -158,11 +162,55 @@ def test_export_loads_through_the_eagle3_loader(tiny_train_checkpoint, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 96
 
 
-def test_cli_trains_pauses_resumes_and_exports(tiny_train_checkpoint, tmp_path):
+def _records(group, n, split="train"):
+    file, source = group.split(":")
+    return [{"prompt": f"{group} {i}", "source": source, "group": group, "split": split} for i in range(n)]
+
+
+def test_prompts_are_drawn_evenly_across_groups_leaving_out_excluded_sources():
+    records = _records("p:a", 20) + _records("p:b", 3) + _records("c:a", 10) + _records("p:m", 6)
+    records += _records("p:a", 5, split="heldout") + records[:4]  # another split, and repeated prompts
+    picked = select_prompts(records, "train", 12, seed=0, exclude_sources=("m",))
+    assert len({r["prompt"] for r in picked}) == 12 and all(r["split"] == "train" for r in picked)
+    # rounds of one from each group, in the groups' order: p:b runs out after three, the last three go to the others
+    assert collections.Counter(r["group"] for r in picked) == {"c:a": 5, "p:a": 4, "p:b": 3}
+    assert picked == select_prompts(records, "train", 12, seed=0, exclude_sources=("m",)), "seeded"
+    other = select_prompts(records, "train", 12, seed=1, exclude_sources=("m",))
+    assert [r["prompt"] for r in other] != [r["prompt"] for r in picked]
+    assert {r["group"] for r in select_prompts(records, "train", 100, 0, ("c:a",))} == {"p:a", "p:b", "p:m"}
+    assert len(select_prompts(records, "train", 100, 0)) == 39  # every distinct prompt once
+    assert len(select_prompts(records, "heldout", 100, 0)) == 5
+
+
+def test_prompt_files_may_hold_conversations_and_be_gzipped(tmp_path):
+    chat = tmp_path / "chat.jsonl.gz"
+    rows = [{"source": "gsm8k", "split": "heldout", "messages": [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+             {"role": "user", "content": "and 3+3?"}]},
+            {"messages": [{"role": "user", "content": "Hi."}]}]  # fmt: skip
+    chat.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    assert read_prompt_records(chat) == [
+        {"prompt": "2+2?", "source": "gsm8k", "group": "chat:gsm8k", "split": "heldout"},
+        {"prompt": "Hi.", "source": "chat", "group": "chat:chat", "split": "train"},
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"messages": []}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2: a record needs a 'prompt'"):
+        read_prompt_records(bad)
+
+
+def test_cli_trains_pauses_resumes_and_exports(tiny_train_checkpoint, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"prompt": f"Tell me about thing {i}.", "split": "heldout" if i < 2 else "train"} for i in range(8)]
+    lines += [{"prompt": f"Question {i}?", "source": "mt-bench"} for i in range(3)]
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    args = ["--target", str(tiny_train_checkpoint), "--prompts", str(prompts), "--out", str(tmp_path / "run"),
+    chat = tmp_path / "chat.jsonl.gz"
+    talks = [{"source": "gsm8k", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(3)]
+    chat.write_bytes(gzip.compress("".join(json.dumps(x) + "\n" for x in talks).encode()))
+    base = ["--target", str(tiny_train_checkpoint), "--prompts", str(prompts), "--prompts", str(chat)]
+    assert main(base + ["--out", str(tmp_path / "bad"), "--exclude-sources", "mtbench"]) == 2
+    assert "--exclude-sources: no record has source or group mtbench" in capsys.readouterr().err
+    args = base + ["--exclude-sources", "mt-bench", "--out", str(tmp_path / "run"),
             "--draft-vocab-size", "64", "--intermediate-size", "64", "--max-new-tokens", "8", "--max-steps", "4",
             "--batch-size", "2", "--num-ttt-steps", "3", "--warmup-steps", "1", "--gdr-impl", "reference"]  # fmt: skip
     assert main(args + ["--max-minutes", "0"]) == 0
@@ -170,4 +218,6 @@ def test_cli_trains_pauses_resumes_and_exports(tiny_train_checkpoint, tmp_path):
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["step"] == 4 and len(summary["heldout_step_accuracy"]) == 3
+    assert summary["prompts_by_source"] == {"train": {"chat:gsm8k": 3, "prompts:prompts": 6},
+                                            "heldout": {"prompts:prompts": 2}}  # fmt: skip
     load_draft_model(tmp_path / "run" / "draft", load_model(tiny_train_checkpoint, dtype="float32"))

@@ -16,10 +16,10 @@ def _inference_hidden(model, rows: torch.Tensor, capture_layers=()):
 
 
 @pytest.mark.parametrize("impl", ["reference", "torch"])
-@pytest.mark.parametrize("T", [1, 23, 70])
-def test_training_forward_equals_inference(tiny_model, T, impl):
+@pytest.mark.parametrize("B,T", [(2, 1), (2, 23), (2, 70), (1, 70)])  # one row: the chunk form's output is head-major
+def test_training_forward_equals_inference(tiny_model, B, T, impl):
     gen = torch.Generator().manual_seed(T)
-    rows = torch.randint(0, tiny_model.config.vocab_size, (2, T), generator=gen)
+    rows = torch.randint(0, tiny_model.config.vocab_size, (B, T), generator=gen)
     capture = (0, 2, 3)
     with torch.no_grad():
         want, want_aux = _inference_hidden(tiny_model, rows, capture)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jetserve.model.attention import Attention
 from jetserve.model.jet_block import JetBlock
@@ -90,6 +91,11 @@ def _mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(silu_and_mul(gate_up))  # [B, T, D]
 
 
+# Not cuDNN's: on an H200 (torch 2.11) its SDPA failed mid-run on one of the draft training's row lengths
+# ("mha_graph.execute(...).is_good()"), where the fixed 512-token rows of pretraining never met it.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Causal GQA over each row; a `swa` layer's query sees `window_tokens` keys, itself included."""
     B, T, _ = x.shape
@@ -107,9 +113,10 @@ def _attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> tor
         i = torch.arange(T, device=x.device)
         distance = i[:, None] - i[None, :]  # [T, T]: query minus key position
         mask = (distance >= 0) & (distance < attn.window_tokens)  # [T, T]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scale, enable_gqa=HK != H
-    )  # [B, H, T, Dh]
+    with sdpa_kernel(SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scale, enable_gqa=HK != H
+        )  # [B, H, T, Dh]
     return attn.o_proj(o.transpose(1, 2).reshape(B, T, H * Dh))  # [B, T, D]
 
 

@@ -1,8 +1,12 @@
-"""τ of an EAGLE-3 draft on held-out prompts, in chain and tree settings, every step verified (adaptive policy off),
-and whether greedy output with the draft equals greedy output without it. One JSON line per setting.
-Usage: python bench/draft_tau.py [--model default] [--draft default] [--prompts out/train/corpus/prompts.jsonl]
-       [--num-prompts 60] [--max-tokens 128] [--device cpu] [--dtype float32]
-The prompts file is JSONL of {"prompt", "split"} records (the corpus' prompts.jsonl; its "heldout" ones are used).
+"""τ of an EAGLE-3 draft, in chain and tree settings, every step verified (adaptive policy off), per group of prompts
+and over all, and whether greedy output with the draft equals greedy output without it. One JSON line per setting.
+Usage: python bench/draft_tau.py [--model default] [--draft default] [--dataset corpus|mtbench]
+       [--prompts out/train/corpus/prompts.jsonl] [--num-prompts 60] [--settings "chain 7,…"] [--max-tokens 128]
+       [--device cpu] [--dtype float32]
+corpus: the first --num-prompts "heldout" records of a JSONL of {"prompt", "source", "split"} (the corpus'
+prompts.jsonl), grouped by source. mtbench: MT-bench's 80 first turns, grouped by category. Each answer runs to its
+end of turn or --max-tokens. τ of a group counts its own verify rounds (its prompts are generated together); "all"
+is the verify-round-weighted τ over every group.
 """
 
 from __future__ import annotations
@@ -23,37 +27,65 @@ SETTINGS = {
 }
 
 
+def load_groups(dataset: str, prompts_path: str, num_prompts: int) -> dict[str, list[str]]:
+    """group → its prompt texts, in file order."""
+    if dataset == "mtbench":
+        from jetserve.evals.mtbench import load_questions
+
+        pairs = [(q["category"], q["turns"][0]) for q in load_questions()]
+    else:
+        with open(prompts_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        held = [r for r in records if r.get("split") == "heldout"][:num_prompts]
+        pairs = [(r.get("source", "corpus"), r["prompt"]) for r in held]
+    groups: dict[str, list[str]] = {}
+    for group, text in pairs:
+        groups.setdefault(group, []).append(text)
+    return groups
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--draft", default="default")
-    p.add_argument("--prompts", default="out/train/corpus/prompts.jsonl")
-    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--dataset", choices=["corpus", "mtbench"], default="corpus")
+    p.add_argument("--prompts", default="out/train/corpus/prompts.jsonl", help="corpus: the prompts JSONL")
+    p.add_argument("--num-prompts", type=int, default=60, help="corpus: how many held-out prompts")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of: {', '.join(SETTINGS)}")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        p.error(f"--settings: unknown {', '.join(unknown)} (known: {', '.join(SETTINGS)})")
     model, draft = resolve_checkpoint(args.model, "model"), resolve_checkpoint(args.draft, "draft")
-    with open(args.prompts) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    prompts = [r["prompt"] for r in records if r.get("split") == "heldout"][: args.num_prompts]
-    base = dict(dtype=args.dtype, device=args.device, max_model_len=1024, max_num_seqs=8)
+    groups = load_groups(args.dataset, args.prompts, args.num_prompts)
+    base = dict(dtype=args.dtype, device=args.device, max_model_len=1024, max_num_seqs=args.max_num_seqs)
     plain = LLM(model, **base)
     tok = plain.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in prompts]
+    ids = {g: [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in texts]
+           for g, texts in groups.items()}  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     start = time.perf_counter()
-    want = [o.output_token_ids for o in plain.generate(ids, params)]
+    want = {g: [o.output_token_ids for o in plain.generate(x, params)] for g, x in ids.items()}
     plain_s = time.perf_counter() - start
-    for name, shape in SETTINGS.items():
-        llm = LLM(model, draft=draft, spec_adaptive=False, **shape, **base)
-        start = time.perf_counter()
-        got = [o.output_token_ids for o in llm.generate(ids, params)]
+    for name in settings:
+        llm = LLM(model, draft=draft, spec_adaptive=False, **SETTINGS[name], **base)
         stats = llm.engine.spec_stats
+        start = time.perf_counter()
+        tau, equal = {}, True
+        for g, x in ids.items():
+            drafts, accepted = stats.num_drafts, stats.num_accepted_tokens
+            equal &= [o.output_token_ids for o in llm.generate(x, params)] == want[g]
+            tau[g] = round(1 + (stats.num_accepted_tokens - accepted) / max(stats.num_drafts - drafts, 1), 3)
         print(json.dumps({
-            "setting": name, "prompts": len(ids), "tau": round(stats.mean_acceptance_length, 3),
+            "setting": name, "dataset": args.dataset, "prompts": sum(len(x) for x in ids.values()),
+            "tau": round(stats.mean_acceptance_length, 3), "tau_by_group": tau,
             "acceptance_per_depth": [round(r, 3) for r in stats.acceptance_rate_per_depth],
-            "greedy_equal": got == want, "seconds_spec": round(time.perf_counter() - start, 1),
+            "greedy_equal": equal, "seconds_spec": round(time.perf_counter() - start, 1),
             "seconds_plain": round(plain_s, 1),
         }), flush=True)  # fmt: skip
 

@@ -23,7 +23,7 @@ SETTINGS = {
     "chain 3": dict(spec_topk=1, spec_steps=3),
     "chain 5": dict(spec_topk=1, spec_steps=5),
     "chain 7": dict(spec_topk=1, spec_steps=7),
-    "tree 8 (top-2, 3 levels)": dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=8),
+    "tree 8": dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=8),  # top-2 children, 3 levels
 }
 
 
@@ -82,7 +82,8 @@ def main() -> None:
             equal &= [o.output_token_ids for o in llm.generate(x, params)] == want[g]
             tau[g] = round(1 + (stats.num_accepted_tokens - accepted) / max(stats.num_drafts - drafts, 1), 3)
         print(json.dumps({
-            "setting": name, "dataset": args.dataset, "prompts": sum(len(x) for x in ids.values()),
+            "setting": name, "shape": SETTINGS[name], "dataset": args.dataset,
+            "prompts": sum(len(x) for x in ids.values()),
             "tau": round(stats.mean_acceptance_length, 3), "tau_by_group": tau,
             "acceptance_per_depth": [round(r, 3) for r in stats.acceptance_rate_per_depth],
             "greedy_equal": equal, "seconds_spec": round(time.perf_counter() - start, 1),

@@ -21,7 +21,7 @@ shift || true
 # Step counts (time-budgeted pieces resume them; the cosine schedules need them fixed in advance).
 A_STEPS=${A_STEPS:-1600}
 B_STEPS=${B_STEPS:-1200}
-DRAFT_STEPS=${DRAFT_STEPS:-1476}  # the shipped draft's (2026-12-02: 0.10 s a step on an H200)
+DRAFT_STEPS=${DRAFT_STEPS:-3000}  # the shipped draft's (2026-12-02: 0.10 s a step on an H200)
 TEACHER_MINUTES=${TEACHER_MINUTES:-3.5}
 COMMON=(--seq-len 512 --batch-size 32 --eval-every 250 --save-every 250)
 

@@ -425,9 +425,9 @@ def run(args: argparse.Namespace) -> int:
             limit = args.num_prompts if split == "train" else args.num_heldout_prompts
             picked = select_prompts(records, split, limit, cfg.seed, exclude)
             prompts = [r["prompt"] for r in picked]
-            by_source = {}
+            by_group: dict[str, int] = {}
             for r in picked:
-                by_source[r["group"]] = by_source.get(r["group"], 0) + 1
+                by_group[r["group"]] = by_group.get(r["group"], 0) + 1
             ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
             ids = [x[-args.max_prompt_tokens :] for x in ids]
             if args.regenerate_with == "engine":
@@ -436,9 +436,9 @@ def run(args: argparse.Namespace) -> int:
             else:
                 answers = regenerate_answers(target, ids, args.max_new_tokens, tokenizer.eos_token_ids,
                                              args.generate_batch_size, cfg.gdr_impl)  # fmt: skip
-            data[split] = {"prompts": prompts, "answers": answers, "sources": by_source}
+            data[split] = {"prompts": prompts, "answers": answers, "sources": by_group}
             print(f"eagle3: regenerated {len(prompts)} {split} answers ({time.monotonic() - start:.0f} s); "
-                  f"prompts by source: {json.dumps(by_source)}", file=sys.stderr)  # fmt: skip
+                  f"prompts by FILE:SOURCE group: {json.dumps(by_group)}", file=sys.stderr)  # fmt: skip
         tmp = answers_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, answers_path)

@@ -91,8 +91,9 @@ def _mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(silu_and_mul(gate_up))  # [B, T, D]
 
 
-# Not cuDNN's: on an H200 (torch 2.11) its SDPA failed mid-run on one of the draft training's row lengths
-# ("mha_graph.execute(...).is_good()"), where the fixed 512-token rows of pretraining never met it.
+# Not cuDNN's: on an H200 (torch 2.11) its SDPA failed at step ~300 of a draft training ("mha_graph.execute(...)
+# .is_good()"; that training's rows vary in length, pretraining's are all 512 tokens and never met it). With these
+# three the same training ran its 3,000 steps.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

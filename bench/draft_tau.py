@@ -3,10 +3,10 @@ and over all, and whether greedy output with the draft equals greedy output with
 Usage: python bench/draft_tau.py [--model default] [--draft default] [--dataset corpus|mtbench]
        [--prompts out/train/corpus/prompts.jsonl] [--num-prompts 60] [--settings "chain 7,…"] [--max-tokens 128]
        [--device cpu] [--dtype float32]
-corpus: the first --num-prompts "heldout" records of a JSONL of {"prompt", "source", "split"} (the corpus'
-prompts.jsonl), grouped by source. mtbench: MT-bench's 80 first turns, grouped by category. Each answer runs to its
-end of turn or --max-tokens. τ of a group counts its own verify rounds (its prompts are generated together); "all"
-is the verify-round-weighted τ over every group.
+corpus: the first --num-prompts "heldout" records of a prompts file as `jetserve.train.eagle3` reads them (the
+corpus' prompts.jsonl), grouped by source. mtbench: MT-bench's 80 first turns, grouped by category. Each answer runs
+to its end of turn or --max-tokens. "tau_by_group": each group's τ over its own verify rounds (its prompts are
+generated together); "tau": over every group's verify rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from jetserve.assets import resolve_checkpoint
 from jetserve.llm import LLM
 from jetserve.sampling_params import SamplingParams
+from jetserve.train.eagle3 import read_prompt_records
 
 SETTINGS = {
     "chain 3": dict(spec_topk=1, spec_steps=3),
@@ -34,10 +35,8 @@ def load_groups(dataset: str, prompts_path: str, num_prompts: int) -> dict[str, 
 
         pairs = [(q["category"], q["turns"][0]) for q in load_questions()]
     else:
-        with open(prompts_path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        held = [r for r in records if r.get("split") == "heldout"][:num_prompts]
-        pairs = [(r.get("source", "corpus"), r["prompt"]) for r in held]
+        held = [r for r in read_prompt_records(prompts_path) if r["split"] == "heldout"][:num_prompts]
+        pairs = [(r["source"], r["prompt"]) for r in held]
     groups: dict[str, list[str]] = {}
     for group, text in pairs:
         groups.setdefault(group, []).append(text)

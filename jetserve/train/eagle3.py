@@ -12,6 +12,7 @@ vocabulary holds.
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import math
@@ -425,9 +426,7 @@ def run(args: argparse.Namespace) -> int:
             limit = args.num_prompts if split == "train" else args.num_heldout_prompts
             picked = select_prompts(records, split, limit, cfg.seed, exclude)
             prompts = [r["prompt"] for r in picked]
-            by_group: dict[str, int] = {}
-            for r in picked:
-                by_group[r["group"]] = by_group.get(r["group"], 0) + 1
+            by_group = dict(collections.Counter(r["group"] for r in picked))
             ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
             ids = [x[-args.max_prompt_tokens :] for x in ids]
             if args.regenerate_with == "engine":

@@ -163,7 +163,7 @@ def test_export_loads_through_the_eagle3_loader(tiny_train_checkpoint, tmp_path)
 
 
 def _records(group, n, split="train"):
-    file, source = group.split(":")
+    source = group.split(":")[1]
     return [{"prompt": f"{group} {i}", "source": source, "group": group, "split": split} for i in range(n)]
 
 

@@ -74,7 +74,7 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding (each batch size also decodes plainly, for the speed-up)")
     spec.add_argument("--draft", metavar="DIR", help="EAGLE-3 draft folder, or `random` (a random draft in memory)")
     spec.add_argument("--spec-topk", type=int, help="children per draft node (default 1)")
-    spec.add_argument("--spec-steps", type=int, help="draft levels (default 3)")
+    spec.add_argument("--spec-steps", type=int, help="draft levels (default 7 for a chain, 3 for a tree)")
     spec.add_argument("--spec-num-draft-tokens", type=int, help="tree nodes per verify step, root included")
     spec.add_argument("--no-spec-adaptive", action="store_true", help="always verify the full tree")
     spec.add_argument(

@@ -11,6 +11,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # fixed costs, ~4% of a batch-1 step of the 16 M default model; with 128 positions its speed-up at batch 1 went
 # 0.94–0.95x → 0.97–0.98x (the policy decoding plainly throughout).
 DEFAULT_FEATURE_RING = 128
+# Draft levels per verify step when `spec_steps` is not given: [chain, tree]. With the trained default pair on
+# MT-bench (H200, every step verified) a chain of 7 beat chains of 3 and 5 at batch 1, 8 and 32 (session 40), and
+# gave 1.68x / 1.52x / 1.29x with the retrained draft (session 41); the adaptive policy also weighs the chain of 3
+# (`draft_shapes`' half shape) and plain decoding. A tree's nodes grow by topk² a level, so a tree keeps 3 levels.
+DEFAULT_SPEC_STEPS = (7, 3)
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class EngineConfig:
     cpu_cache_bytes: int = 512 << 20
     draft: str | None = None  # EAGLE-3 draft checkpoint folder: speculative decoding on
     spec_topk: int | None = None  # children per draft node (default 1: a chain)
-    spec_steps: int | None = None  # draft levels per step (default 3)
+    spec_steps: int | None = None  # draft levels per step (default: 7 for a chain, 3 for a tree; DEFAULT_SPEC_STEPS)
     spec_num_draft_tokens: int | None = None  # tree nodes per verify step, root included (default 1 + topk*steps)
     spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
     spec_feature_ring: int | None = None  # positions the draft may lag behind plain decoding (default 128)
@@ -129,7 +134,8 @@ class EngineConfig:
     @property
     def speculation(self) -> tuple[int, int]:
         """(topk, steps) with defaults filled in (meaningful only with a draft)."""
-        return self.spec_topk or 1, self.spec_steps or 3
+        topk = self.spec_topk or 1
+        return topk, self.spec_steps or DEFAULT_SPEC_STEPS[topk > 1]
 
     @property
     def feature_ring(self) -> int:

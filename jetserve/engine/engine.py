@@ -257,8 +257,11 @@ class LLMEngine:
                         seq.output_logprobs.append(entry)
             updated = self.scheduler.postprocess(batch, out.token_ids)
         if self.spec is not None and batch.phase is not Phase.PREFILL:
-            option = batch.draft_shape if batch.phase is Phase.VERIFY else -1
-            self.spec.record_step(option, batch.num_seqs, time.perf_counter() - start)
+            # A verify step that first caught the draft up on a plain stretch is not verifying's steady state: timing
+            # it charged the stretch's catch-up to the draft shape, which then lost to plain decoding (session 41).
+            if batch.phase is Phase.DECODE or not self.spec.verify_caught_up:
+                option = batch.draft_shape if batch.phase is Phase.VERIFY else -1
+                self.spec.record_step(option, batch.num_seqs, time.perf_counter() - start)
         return [self._process(seq) for seq in updated]
 
     def _can_overlap(self, batch: Batch) -> bool:

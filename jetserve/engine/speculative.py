@@ -31,24 +31,38 @@ if TYPE_CHECKING:
 # Forced acceptance (benchmarks): the drafts are each request's known continuation ("right": checked by the target as
 # any draft; "all": taken without the target's say, as exact arithmetic would take a right draft) or never it ("wrong").
 FORCED_MODES = ("right", "all", "wrong")
-# An option's step time is the median of its last TIME_SAMPLES steps in a bucket: one slow step (a kernel compiled on
-# first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the dozens of steps
-# an average would take to forget it.
-TIME_SAMPLES = 5
-# Plain decoding's time is judged from at least this many steps (cheap ones): a single first sample can be an outlier,
-# and a run too short to reach its first exploration (MT-bench's 128 tokens at τ 2: ~60 steps) would keep it to its end.
-MIN_PLAIN_SAMPLES = 3
-# Acceptance is the mean over an option's last ACCEPT_WINDOW verify steps (drafts accepted / drafts). It was an
-# exponential moving average weighted 0.05 for the newest step, seeded by the first: MT-bench answers open with
-# predictable tokens, so a first verify step accepting every draft kept the estimate near the tree's depth for
-# dozens of verify steps that accepted half as much (session 18: 25% verify steps at batch 8, 0.67x).
-ACCEPT_WINDOW = 8
-# Every this many steps of one batch-size bucket, the least recently measured option is tried again; each exploration
-# that leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
+# An option's step time is the median of its last TIME_SAMPLES timed steps in a bucket: one slow step (a kernel
+# compiled on first use, a plain step that flushed the draft's full catch-up ring) must not flip the choice for the
+# dozens of steps an average would take to forget it.
+TIME_SAMPLES = 9
+# An option is judged from at least MIN_SAMPLES timed steps, and an exploration runs an option until it has
+# EXPLORE_SAMPLES more: more than half of TIME_SAMPLES, so the newest run of an option decides its median. (Session
+# 41: a draft shape judged from one step, the first verify step after a plain stretch, lost to plain decoding at
+# batch 1 and 8 of MT-bench, 3.9% and 0.35% of steps verified, where verifying every step was 1.68x and 1.52x
+# faster. Session 42: runs of 3 steps and medians of 5 still chose plain decoding for 67% of batch 1's steps, 1.36-
+# 1.44x against 1.58x: the GPU machine's host makes step times vary 1.5x between stretches of a few seconds.) Steps
+# that do not show an option's steady state are not timed: a plain step that starts with the pipeline empty (the
+# engine's `step`) and a verify step that first catches the draft up on a plain stretch
+# (`SpecDecoder.verify_caught_up`); so an option may run a step more than it is timed.
+MIN_SAMPLES = 5
+EXPLORE_SAMPLES = 5
+# An option chosen this many times while it still lacks its samples is judged on what it has (a tree that never
+# fits the free pages, or whose steps are never timed, must not hold the choice forever); one with none at all is
+# left out of the comparison until an exploration times it.
+MAX_RUN_STEPS = 3 * EXPLORE_SAMPLES
+# Acceptance is the mean over an option's verify steps of its last ACCEPT_WINDOW_DRAFTS drafts (one a sequence a
+# step): accepted drafts / drafts. An exponential moving average weighted 0.05 for the newest step, seeded by the
+# first, kept a first step that accepted every draft (MT-bench answers open with predictable tokens) for dozens of
+# steps (session 18: 25% verify steps at batch 8, 0.67x); a window of the last 8 verify steps was too short at batch
+# 1, where one draft's accepted count ranges 0..depth: a stretch of poor drafts read as τ 1.5 against the 2.9 of the
+# whole run and handed the bucket to plain decoding until its next exploration (session 42).
+ACCEPT_WINDOW_DRAFTS = 64
+# Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
+# leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
 MAX_EXPLORE_EVERY = 1024
-# ... and never sooner than keeps an exploration's cost (its option's step time less the best option's time for as
-# many tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
+# ... and never sooner than keeps an exploration's cost (its steps' time less the best option's time for as many
+# tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
 # ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~6% of plain decoding's throughput.
 EXPLORE_BUDGET = 0.01
 # Once the policy finds plain decoding best for a bucket, it answers plain for that bucket's next SETTLED_STEPS steps
@@ -88,43 +102,63 @@ def batch_bucket(num_seqs: int) -> int:
     return 1 << (num_seqs - 1).bit_length()
 
 
+@dataclass
+class _Run:
+    """An option the policy keeps choosing for a bucket until it has `until` timed steps (or MAX_RUN_STEPS choices):
+    its first measurement, or an exploration (`best_before`: the best option when it began; `started`: its step)."""
+
+    option: int
+    until: int
+    started: int
+    best_before: int | None = None
+    num_chosen: int = 0
+
+
 class AdaptivePolicy:
     """Per step, which draft shape to verify (or none) for a batch of N decoding sequences.
 
     Cost model: option c (a draft shape, or plain decoding) yields τ_c tokens per sequence per step — 1 for plain
     decoding, 1 + the measured mean of accepted drafts for a shape — and takes t_c(b) seconds per step at batch
-    bucket b (the measured wall time of whole engine steps). The policy picks the largest τ_c / t_c(b). Every option
-    is tried once per bucket before it is judged, and `EXPLORE_EVERY` steps of a bucket later the least recently
-    measured option runs again, so the estimates follow changes in acceptance and load; while explorations keep
-    confirming the best option the interval doubles (to `MAX_EXPLORE_EVERY`), so a draft that never pays costs ever
-    fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes the choice. An interval
-    is never shorter than keeps the costliest exploration within `EXPLORE_BUDGET` of the best option's time (up to
-    `MAX_EXPLORE_EVERY`), so a verify step that costs many plain steps is explored that much more rarely. Plain
-    decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never makes
-    decoding slower. With overlap scheduling the engine times plain decoding only by steps launched ahead (its
-    steady state; a plain step right after a verify step runs unoverlapped), so an exploration of plain decoding
-    runs two steps: the second is launched ahead and timed.
-    Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as room allows).
+    bucket b (the median wall time of its last timed engine steps). The policy picks the largest τ_c / t_c(b).
+
+    Options are judged in their steady state, as they run when chosen step after step: only such steps are timed
+    (plain steps launched ahead of the one in flight, verify steps whose draft had nothing to catch up on), and an
+    option runs for several steps at a time — MIN_SAMPLES timed steps when a bucket first measures it, then every
+    `EXPLORE_EVERY` steps of the bucket the least recently timed option runs again for EXPLORE_SAMPLES timed steps,
+    so the estimates follow changes in acceptance and load. While explorations keep confirming the best option the
+    interval doubles (to `MAX_EXPLORE_EVERY`), so a draft that never pays costs ever fewer exploration steps, and it
+    snaps back to `EXPLORE_EVERY` when an exploration changes the choice. An interval is never shorter than keeps
+    the costliest exploration within `EXPLORE_BUDGET` of the best option's time (up to `MAX_EXPLORE_EVERY`).
+    Plain decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never
+    makes decoding slower. Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as
+    room allows).
     """
 
     def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
         self.shapes = shapes
         self.adaptive = adaptive
         self.medians: dict[tuple[int, int], float] = {}  # (option, bucket) → estimate; option -1 = plain
-        self.recent_seconds: dict[tuple[int, int], collections.deque] = {}  # its last TIME_SAMPLES steps
-        self.last_used: dict[tuple[int, int], int] = {}
+        self.recent_seconds: dict[tuple[int, int], collections.deque] = {}  # its last TIME_SAMPLES timed steps
+        self.num_timed: collections.Counter = collections.Counter()  # (option, bucket) → timed steps so far
+        self.last_used: dict[tuple[int, int], int] = {}  # (option, bucket) → the bucket's step it was last timed at
         self.bucket_steps: dict[int, int] = {}
         self.mean_accepted: list[float | None] = [None] * len(shapes)  # accepted drafts per sequence-round
-        # per option, its last ACCEPT_WINDOW verify steps: (drafts accepted, drafts)
-        self.recent_accepted = [collections.deque(maxlen=ACCEPT_WINDOW) for _ in shapes]
+        # per option, its verify steps that hold its last ACCEPT_WINDOW_DRAFTS drafts: (drafts accepted, drafts)
+        self.recent_accepted: list[collections.deque] = [collections.deque() for _ in shapes]
+        self.accepted_totals = [[0, 0] for _ in shapes]  # per option: (drafts accepted, drafts) over recent_accepted
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
         self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
-        self.exploring: dict[int, tuple[int, int]] = {}  # bucket → (step, best option) of an exploration not yet judged
-        self.plain_again: set[int] = set()  # buckets whose next step continues an exploration of plain decoding
-        self.measured: set[int] = set()  # buckets whose every option has been timed enough (timings are only added)
+        self.runs: dict[int, _Run] = {}  # bucket → the option it keeps choosing until timed enough
+        self.tried: dict[int, set[int]] = {}  # bucket → the options it has begun to measure
+        self.measured: set[int] = set()  # buckets whose every option has been measured once
         self.plain_until: dict[int, int] = {}  # bucket → step before which it is plain without weighing (SETTLED_STEPS)
         self.stale: set[tuple[int, int]] = set()  # (option, bucket) timed since its median was last taken
+
+    @property
+    def options(self) -> list[int]:
+        """Every shape's index (largest first), then -1 for plain decoding."""
+        return [*range(len(self.shapes)), -1]
 
     def tokens_per_step(self, option: int) -> float:
         if option < 0:
@@ -141,62 +175,71 @@ class AdaptivePolicy:
         bucket = batch_bucket(num_seqs)
         step = self.bucket_steps.get(bucket, 0)
         self.bucket_steps[bucket] = step + 1
+        run = self.runs.get(bucket)
+        if run is not None and run.num_chosen < MAX_RUN_STEPS and self.num_timed[(run.option, bucket)] < run.until:
+            run.num_chosen += 1
+            return run.option
+        self.runs.pop(bucket, None)
+        if bucket not in self.measured:  # each option in turn, largest shape first, until it has MIN_SAMPLES
+            tried = self.tried.setdefault(bucket, set())
+            for option in self.options:
+                if option not in tried and self.num_timed[(option, bucket)] < MIN_SAMPLES:
+                    tried.add(option)
+                    return self._start_run(bucket, option, step, until=MIN_SAMPLES)
+            self.measured.add(bucket)
         if step < self.plain_until.get(bucket, 0):
             return -1
-        if bucket in self.plain_again:
-            self.plain_again.discard(bucket)
-            return -1
-        options = [*range(len(self.shapes)), -1]
-        if bucket not in self.measured:
-            unmeasured = [c for c in options if len(self.recent_seconds.get((c, bucket), ())) < self.min_samples(c)]
-            if unmeasured:
-                return unmeasured[0]
-            self.measured.add(bucket)
-        seconds = self.step_seconds
-        best = max(options, key=lambda c: self.tokens_per_step(c) / seconds[(c, bucket)])
-        if bucket in self.exploring:  # the last exploration has been measured: judge it
-            started, best_before = self.exploring.pop(bucket)
+        best = self.best(bucket)
+        if run is not None and run.best_before is not None:  # an exploration has run: judge it
             interval = self.explore_every.get(bucket, EXPLORE_EVERY)
-            interval = min(2 * interval, MAX_EXPLORE_EVERY) if best == best_before else EXPLORE_EVERY
+            interval = min(2 * interval, MAX_EXPLORE_EVERY) if best == run.best_before else EXPLORE_EVERY
             self.explore_every[bucket] = interval
-            self.next_explore[bucket] = started + max(interval, self.budget_steps(bucket, best))
+            self.next_explore[bucket] = run.started + max(interval, self.budget_steps(bucket, best))
         elif bucket not in self.next_explore:  # every option measured for the first time (the first exploration)
             self.next_explore[bucket] = step + max(EXPLORE_EVERY, self.budget_steps(bucket, best))
         if step >= self.next_explore[bucket]:
-            self.exploring[bucket] = (step, best)
+            option = min(self.options, key=lambda c: self.last_used.get((c, bucket), -1))
             self.next_explore[bucket] = step + self.explore_every.get(bucket, EXPLORE_EVERY)
-            option = min(options, key=lambda c: self.last_used.get((c, bucket), -1))
-            if option < 0:
-                self.plain_again.add(bucket)
-            return option
+            until = self.num_timed[(option, bucket)] + EXPLORE_SAMPLES
+            return self._start_run(bucket, option, step, until, best_before=best)
         if best < 0:
             self.plain_until[bucket] = min(step + 1 + SETTLED_STEPS, self.next_explore[bucket])
         return best
 
+    def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
+        self.runs[bucket] = _Run(option, until, step, best_before, num_chosen=1)
+        self.plain_until.pop(bucket, None)
+        return option
+
+    def best(self, bucket: int) -> int:
+        """The timed option with the most tokens per second at `bucket` (plain decoding when none is timed)."""
+        seconds = self.step_seconds
+        timed = [c for c in self.options if (c, bucket) in seconds]
+        return max(timed, key=lambda c: self.tokens_per_step(c) / seconds[(c, bucket)], default=-1)
+
     def budget_steps(self, bucket: int, best: int) -> int:
         """Steps between explorations of `bucket` that keep the costliest one within EXPLORE_BUDGET of the time the
-        best option takes over them (at most MAX_EXPLORE_EVERY). An exploration of option c costs t_c less the best
-        option's time for c's tokens, t_best · τ_c / τ_best."""
+        best option takes over them (at most MAX_EXPLORE_EVERY). An exploration runs option c for about
+        EXPLORE_SAMPLES + 1 steps (one not timed), each costing t_c less the best option's time for c's tokens,
+        t_best · τ_c / τ_best."""
         seconds = self.step_seconds
+        if (best, bucket) not in seconds:
+            return EXPLORE_EVERY
         t_best = seconds[(best, bucket)]
         rate = self.tokens_per_step(best) / t_best
-        cost = max(seconds[(c, bucket)] - self.tokens_per_step(c) / rate
-                   for c in [*range(len(self.shapes)), -1] if c != best)  # fmt: skip
+        costs = [seconds[(c, bucket)] - self.tokens_per_step(c) / rate
+                 for c in self.options if c != best and (c, bucket) in seconds]  # fmt: skip
+        cost = (EXPLORE_SAMPLES + 1) * max(costs, default=0.0)
         return min(MAX_EXPLORE_EVERY, math.ceil(max(cost, 0.0) / (EXPLORE_BUDGET * t_best)))
 
-    @staticmethod
-    def min_samples(option: int) -> int:
-        """Steps an option is timed before the cost model judges it: MIN_PLAIN_SAMPLES for plain decoding, one for a
-        draft shape (a verify step costs several plain ones)."""
-        return MIN_PLAIN_SAMPLES if option < 0 else 1
-
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
-        """Time a step of `option`; its median is taken when the options are next weighed (`step_seconds`)."""
+        """Time a steady step of `option`; its median is taken when the options are next weighed (`step_seconds`)."""
         key = (option, batch_bucket(num_seqs))
         recent = self.recent_seconds.get(key)
         if recent is None:
             recent = self.recent_seconds[key] = collections.deque(maxlen=TIME_SAMPLES)
         recent.append(seconds)
+        self.num_timed[key] += 1
         self.stale.add(key)
         self.last_used[key] = self.bucket_steps.get(key[1], 0)
         if option >= 0:
@@ -211,10 +254,29 @@ class AdaptivePolicy:
         return self.medians
 
     def record_acceptance(self, option: int, accepted_drafts: list[int]) -> None:
-        recent = self.recent_accepted[option]
-        recent.append((sum(accepted_drafts), len(accepted_drafts)))
-        self.mean_accepted[option] = sum(a for a, _ in recent) / sum(n for _, n in recent)
+        """A verify step of `option` accepted `accepted_drafts` (one count a sequence). A chain's drafts also tell
+        every shorter chain's: the draft model drafts a chain level by level, so a shorter chain is this one's
+        prefix, and it would have accepted min(accepted, its depth)."""
+        assert accepted_drafts, "a verify step verifies at least one sequence's draft"
+        self._add_acceptance(option, sum(accepted_drafts), len(accepted_drafts))
+        shape = self.shapes[option]
+        if shape.topk == 1:
+            for other, prefix in enumerate(self.shapes):
+                if prefix.topk == 1 and prefix.max_depth < shape.max_depth:
+                    accepted = sum(min(a, prefix.max_depth) for a in accepted_drafts)
+                    self._add_acceptance(other, accepted, len(accepted_drafts))
         self.plain_until.clear()
+
+    def _add_acceptance(self, option: int, accepted: int, drafts: int) -> None:
+        recent, totals = self.recent_accepted[option], self.accepted_totals[option]
+        recent.append((accepted, drafts))
+        totals[0] += accepted
+        totals[1] += drafts
+        while totals[1] - recent[0][1] >= ACCEPT_WINDOW_DRAFTS:  # the window still holds as many without the oldest
+            old_accepted, old_drafts = recent.popleft()
+            totals[0] -= old_accepted
+            totals[1] -= old_drafts
+        self.mean_accepted[option] = totals[0] / totals[1]
 
 
 @dataclass
@@ -382,6 +444,9 @@ class SpecDecoder:
         num_forced = plan.max_model_len + max(s.num_draft_tokens for s in shapes) if forced else 1
         self.forced_tokens = torch.zeros(plan.num_slots, num_forced, dtype=torch.int64, device=device)  # [S, L]
         self.graphs = None  # a SpecGraphRunner once `capture_graphs` ran
+        # Whether the last VERIFY step first caught the draft up on positions plain steps cached: a step off the
+        # steady state of verifying every step, which the policy does not time (`AdaptivePolicy`).
+        self.verify_caught_up = False
 
     # ---- bookkeeping ----
 
@@ -459,15 +524,16 @@ class SpecDecoder:
         """Rows whose ring a step caching `positions_host` would wrap onto a position the draft has not seen."""
         return (positions_host - self.draft_len[slots_host] >= self.ring).nonzero()[0]  # [rows] (1-D: no ravel)
 
-    def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> None:
+    def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> int:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in
         one draft forward per `rows_per_flush` sequences: position t takes (token t + 1 from the host, the stored
         feature at t). Rows of `ring` tokens replayed as a CUDA graph where one is captured for the rows, else rows of
-        the longest catch-up, eagerly."""
+        the longest catch-up, eagerly. Returns how many sequences had positions to catch up on."""
         todo = [(seq, slot, end) for seq, slot, end in zip(seqs, slots_host.tolist(), ends, strict=True)
                 if self.draft_len[slot] < end]  # fmt: skip
         for begin in range(0, len(todo), self.rows_per_flush):
             self._flush_rows_of(todo[begin : begin + self.rows_per_flush])
+        return len(todo)
 
     def _flush_rows_of(self, todo: list[tuple[Sequence, int, int]]) -> None:
         """One catch-up forward for (sequence, slot, end) rows."""
@@ -611,7 +677,7 @@ class SpecDecoder:
         roots, prefix, slots = inputs.unbind(0)
         timer = _PhaseTimer(self.runner.device, enabled=self.stats.num_verify_steps % PHASE_TIMING_EVERY == 0)
         timer.mark()
-        self.flush(seqs, slots_host, host[1].tolist())
+        self.verify_caught_up = self.flush(seqs, slots_host, host[1].tolist()) > 0
         use_graphs = self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs))
         timer.mark()
         if use_graphs:

@@ -53,9 +53,11 @@ MAX_RUN_STEPS = 3 * EXPLORE_SAMPLES
 # Acceptance is the mean over an option's verify steps of its last ACCEPT_WINDOW_DRAFTS drafts (one a sequence a
 # step): accepted drafts / drafts. An exponential moving average weighted 0.05 for the newest step, seeded by the
 # first, kept a first step that accepted every draft (MT-bench answers open with predictable tokens) for dozens of
-# steps (session 18: 25% verify steps at batch 8, 0.67x); a window of the last 8 verify steps was too short at batch
-# 1, where one draft's accepted count ranges 0..depth: a stretch of poor drafts read as τ 1.5 against the 2.9 of the
-# whole run and handed the bucket to plain decoding until its next exploration (session 42).
+# steps (session 18: 25% verify steps at batch 8, 0.67x). A window of the last 8 verify steps holds 8 drafts at batch
+# 1, where one draft's accepted count spreads widely: for the default pair's chain of 7 (acceptance by depth 0.58 /
+# 0.41 / 0.30 / 0.22 / 0.17 / 0.13 / 0.10, session 41) its mean is 1.9 and its standard deviation 2.3, so the mean of
+# 8 wanders by ±0.8 — across the break-even τ, handing the bucket to plain decoding until its next exploration — and
+# the mean of 64 by ±0.3.
 ACCEPT_WINDOW_DRAFTS = 64
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
 # leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.

@@ -113,7 +113,7 @@ class _Run:
     until: int
     started: int
     best_before: int | None = None
-    num_chosen: int = 0
+    num_chosen: int = 1  # the choice that started it
 
 
 class AdaptivePolicy:
@@ -209,7 +209,7 @@ class AdaptivePolicy:
         return best
 
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
-        self.runs[bucket] = _Run(option, until, step, best_before, num_chosen=1)
+        self.runs[bucket] = _Run(option, until, step, best_before)
         self.plain_until.pop(bucket, None)
         return option
 

@@ -269,9 +269,9 @@ class Drafter:
                 self.constants.full((num_seqs * depth,), -1, torch.long, device), kv.block_tables,
             )  # fmt: skip
             chain_tokens = torch.stack(tokens, dim=1)  # [N, d]
-            out = self.draft(chain_tokens.view(-1), chain_hidden.reshape(-1, hidden_size), fb)  # [N*d, H]
+            normed, out = self.draft.forward_normed(chain_tokens.view(-1), chain_hidden.reshape(-1, hidden_size), fb)
             last = out.view(num_seqs, depth, hidden_size)[:, -1]  # [N, H]
-            logprob, token = self.draft.top_candidate(last)
+            logprob, token = self.draft.top_candidate(normed.view(num_seqs, depth, hidden_size)[:, -1], normed=True)
             tokens.append(token)
             logprobs.append(logprob)
             chain_hidden = torch.cat([chain_hidden, last[:, None, :]], dim=1)  # [N, d + 1, H]

@@ -22,6 +22,7 @@ from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.model.layers import MLP, Linear, RMSNorm
 from jetserve.model.loader import DTYPES
 from jetserve.ops.attention import attention_decode, attention_prefill, attention_verify, rope_cos_sin
+from jetserve.ops.norm import embed_norm_pair
 from jetserve.ops.sampling import top_logprob
 
 DEFAULT_DRAFT_VOCAB = 32000  # a random draft's reduced vocabulary (at most the target's), a common EAGLE-3 size
@@ -203,12 +204,18 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """embeds [T, H], hidden [T, H] → the layer output [T, H] (before the final norm)."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+    def forward(
+        self, x: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch, final_norm: RMSNorm | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [T, 2H] the attention input (`Eagle3DraftModel.attention_input`), hidden [T, H] its feature half before
+        the norm (the residual) → the layer output [T, H] (before the final norm); with `final_norm`, the pair
+        (final_norm(output), output) from the down projection's add-norm: one launch fewer than the add, then the
+        norm."""
         attn = self.self_attn(x, fb)  # [T, H]
         x, residual = self.post_attention_layernorm(attn, hidden)
-        return self.mlp(x) + residual
+        if final_norm is None:
+            return self.mlp(x) + residual
+        return self.mlp(x, add_norm=(residual, final_norm.weight, final_norm.eps))
 
 
 class Eagle3DraftModel(nn.Module):
@@ -270,8 +277,27 @@ class Eagle3DraftModel(nn.Module):
         model's own output at the parent token) → the output [T, H] that the next draft step takes as `hidden`.
         `input_embeds` [T, H] replaces the embedding of `input_ids` (a VLM prompt's rows, image embeddings included,
         as the target saw them)."""
-        embeds = self.embed(input_ids) if input_embeds is None else input_embeds  # [T, H]
-        return self.midlayer(embeds, hidden, fb)
+        return self.midlayer(self.attention_input(input_ids, hidden, input_embeds), hidden, fb)
+
+    def forward_normed(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s output [T, H] with the final norm applied, then the output itself: what `top_candidate(...,
+        normed=True)` takes, and the next draft step's `hidden`."""
+        return self.midlayer(self.attention_input(input_ids, hidden), hidden, fb, self.norm)
+
+    def attention_input(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, input_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[input_layernorm(embed(input_ids)); hidden_norm(hidden)] [T, 2H]: the embedding gather and both norms in one
+        launch (`ops.norm.embed_norm_pair`; both norms take the config's rms_norm_eps), or with `input_embeds` [T, H]
+        in place of the embeddings, the two norms and a concatenation."""
+        layer = self.midlayer
+        norms = layer.input_layernorm, layer.hidden_norm
+        if input_embeds is not None:
+            return torch.cat([norms[0](input_embeds), norms[1](hidden)], dim=-1)
+        embedding = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding[0]
+        return embed_norm_pair(input_ids, embedding.weight, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] → draft-vocabulary logits [T, V_d] fp32."""
@@ -280,11 +306,12 @@ class Eagle3DraftModel(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def top_candidate(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_candidate(self, hidden: torch.Tensor, normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The most likely next token: (log-prob [T] fp32, target-vocabulary id [T] int64); ties go to the lower
         draft id. One split reduction over the draft logits as the lm_head writes them (`top_logprob`, the
-        d2t shift included), where `top_candidates(hidden, 1)` sorts."""
-        return top_logprob(self.lm_head(self.norm(hidden)), self.d2t)
+        d2t shift included), where `top_candidates(hidden, 1)` sorts. `normed`: hidden is already norm(hidden)
+        (`forward_normed`)."""
+        return top_logprob(self.lm_head(hidden if normed else self.norm(hidden)), self.d2t)
 
     def top_candidates(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely next tokens: (log-probs [T, k] fp32, target-vocabulary ids [T, k] int64)."""

@@ -1,4 +1,5 @@
-"""RMSNorm (plain and fused with the residual add), the JetBlock's per-head gated RMSNorm, and silu_and_mul."""
+"""RMSNorm (plain and fused with the residual add), the JetBlock's per-head gated RMSNorm, EAGLE-3's draft-layer input
+(an embedding row and a hidden state, each normalised, side by side) and silu_and_mul."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ def rms_norm(
     return reference.rms_norm(x, weight, eps, residual)
 
 
+def embed_norm_pair(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """ids [T], table [V, H], hidden [T, H], weights [H] → `[rms_norm(table[ids]); rms_norm(hidden)]` [T, 2H]. See
+    `reference.embed_norm_pair`."""
+    if use_triton(hidden):
+        return kernels.embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight, eps)
+    return reference.embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight, eps)
+
+
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """o [T, H, V], weight [V], gate [T, H, V] → [T, H, V]. See `reference.gated_rms_norm`."""
     if use_triton(o):
@@ -31,4 +47,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-__all__ = ["gated_rms_norm", "rms_norm", "silu_and_mul"]
+__all__ = ["embed_norm_pair", "gated_rms_norm", "rms_norm", "silu_and_mul"]

@@ -8,7 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.ops.norm.reference import check_gated_rms_norm, check_rms_norm, check_silu_and_mul
+from jetserve.ops.norm.reference import (
+    check_embed_norm_pair,
+    check_gated_rms_norm,
+    check_rms_norm,
+    check_silu_and_mul,
+)
 from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 MAX_BLOCK_D = 32768  # a whole row lives in registers: one pass, no second read of x
@@ -49,6 +54,39 @@ def _rms_norm_kernel(
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = b_w[None, :] * (b_x * b_rstd[:, None])
     tl.store(y + o_r[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_x)
+    pdl_exit(PDL)
+
+
+@triton.jit
+def _embed_norm_pair_kernel(
+    ids,
+    table,
+    hidden,
+    w_e,
+    w_h,
+    y,
+    stride_table,
+    stride_hidden,
+    H,
+    eps,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
+):
+    """One row per program: y[t, :H] = rms_norm(table[ids[t]]), y[t, H:] = rms_norm(hidden[t])."""
+    pdl_enter(PDL)  # ids and hidden are earlier kernels' outputs
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    row = tl.load(ids + i_t).to(tl.int64)
+    b_e = tl.load(table + row * stride_table + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_x = tl.load(hidden + i_t * stride_hidden + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_we = tl.load(w_e + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_wh = tl.load(w_h + o_h, mask=m_h, other=0.0).to(tl.float32)
+    rstd_e = 1.0 / tl.sqrt(tl.sum(b_e * b_e, axis=0) / H + eps)
+    rstd_x = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / H + eps)
+    p_y = y + i_t * 2 * H + o_h
+    tl.store(p_y, (b_we * (b_e * rstd_e)).to(y.dtype.element_ty), mask=m_h)
+    tl.store(p_y + H, (b_wh * (b_x * rstd_x)).to(y.dtype.element_ty), mask=m_h)
     pdl_exit(PDL)
 
 
@@ -146,6 +184,45 @@ def rms_norm(
             **pdl_launch(x),
         )
     return y if h is None else (y, h)
+
+
+def embed_norm_pair(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The embedding gather and both RMSNorms of EAGLE-3's draft-layer input in one launch; see
+    `reference.embed_norm_pair`. ids [T], table [V, H] and hidden [T, H] (unit stride on H; any row strides), weights
+    [H] → [T, 2H]."""
+    check_embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight)
+    num_rows, width = hidden.shape
+    y = torch.empty(num_rows, 2 * width, dtype=table.dtype, device=table.device)  # [T, 2H]
+    if num_rows == 0:
+        return y
+    table = table if table.stride(-1) == 1 else table.contiguous()
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    block_h = triton.next_power_of_2(width)
+    if block_h > MAX_BLOCK_D:
+        raise ValueError(f"rows of {width} elements exceed the one-pass kernel's limit of {MAX_BLOCK_D}")
+    _embed_norm_pair_kernel[(num_rows,)](
+        ids,
+        table,
+        hidden,
+        embed_weight,
+        hidden_weight,
+        y,
+        table.stride(0),
+        hidden.stride(0),
+        width,
+        eps,
+        BLOCK_H=block_h,
+        num_warps=max(1, min(8, block_h // 256)),
+        **pdl_launch(hidden),
+    )
+    return y
 
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

@@ -42,6 +42,45 @@ def rms_norm(
     return _normalize(h, weight, eps), h
 
 
+def check_embed_norm_pair(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden_weight: torch.Tensor,
+) -> None:
+    """ValueError unless ids [T] (integers), table [V, H], hidden [T, H] (table's dtype) and both weights [H] fit."""
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be [T] integers, got shape {tuple(ids.shape)} {ids.dtype}")
+    if table.dim() != 2:
+        raise ValueError(f"table must be [V, H], got shape {tuple(table.shape)}")
+    width = table.shape[1]
+    if hidden.shape != (ids.shape[0], width) or hidden.dtype != table.dtype:
+        raise ValueError(
+            f"hidden must be [T, H] = [{ids.shape[0]}, {width}] in {table.dtype}, got {tuple(hidden.shape)} "
+            f"{hidden.dtype}"
+        )
+    for name, w in (("embed_weight", embed_weight), ("hidden_weight", hidden_weight)):
+        if w.shape != (width,):
+            raise ValueError(f"{name} must be [H] = [{width}], got shape {tuple(w.shape)}")
+
+
+def embed_norm_pair(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """EAGLE-3's draft-layer input: `[rms_norm(table[ids], embed_weight); rms_norm(hidden, hidden_weight)]`, each
+    half `rms_norm`'s math and single rounding. ids [T], table [V, H], hidden [T, H], weights [H] → [T, 2H] in
+    table.dtype."""
+    check_embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight)
+    embeds = table[ids.long()]  # [T, H]
+    return torch.cat([_normalize(embeds, embed_weight, eps), _normalize(hidden, hidden_weight, eps)], dim=-1)
+
+
 def check_gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor) -> None:
     """ValueError unless o [T, H, V], weight [V] and gate [T, H, V] fit together."""
     if o.dim() != 3:

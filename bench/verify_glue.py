@@ -104,6 +104,7 @@ def count_draft_glue(topk: int, steps: int, nodes: int) -> collections.Counter:
     the draft's norm and top-1, which are Triton kernels on a GPU)."""
     spec, (roots, prefix, slots) = _speculating(1, spec_topk=topk, spec_steps=steps, spec_num_draft_tokens=nodes)
     _labelled(spec.draft, "forward", "draft forward")
+    _labelled(spec.draft, "forward_normed", "draft forward")  # a chain's levels: the forward and its final norm
     _labelled(tree_select_reference, "select_tree", TREE_SELECTION)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         spec.draft_tree(0, roots, prefix, slots)
@@ -123,6 +124,7 @@ def count_glue(batch_size: int, shape: tuple[int, int, int] | None = None) -> di
     parts = {
         (spec.verifier.model, "forward"): "target forward",
         (spec.draft, "forward"): "draft forward",
+        (spec.draft, "forward_normed"): "draft forward",
         (spec.verifier.model, "commit_verified"): "commit",
         (spec.verifier, "forward_batch"): "batch",
         (spec.runner, "verify_kv_metadata"): "K/V metadata",

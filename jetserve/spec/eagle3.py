@@ -290,14 +290,17 @@ class Eagle3DraftModel(nn.Module):
         self, input_ids: torch.Tensor, hidden: torch.Tensor, input_embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[input_layernorm(embed(input_ids)); hidden_norm(hidden)] [T, 2H]: the embedding gather and both norms in one
-        launch (`ops.norm.embed_norm_pair`; both norms take the config's rms_norm_eps), or with `input_embeds` [T, H]
-        in place of the embeddings, the two norms and a concatenation."""
+        launch (`ops.norm.embed_norm_pair`; both norms take the config's rms_norm_eps) from a whole-vocabulary
+        embedding; from a vocabulary-parallel one (tensor parallelism: each rank holds a slice of the rows), or with
+        `input_embeds` [T, H] in place of the embeddings, the two norms and a concatenation."""
         layer = self.midlayer
         norms = layer.input_layernorm, layer.hidden_norm
-        if input_embeds is not None:
-            return torch.cat([norms[0](input_embeds), norms[1](hidden)], dim=-1)
         embedding = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding[0]
-        return embed_norm_pair(input_ids, embedding.weight, hidden, norms[0].weight, norms[1].weight, norms[0].eps)
+        if input_embeds is None and isinstance(embedding, nn.Embedding):
+            weights = (norms[0].weight, norms[1].weight)
+            return embed_norm_pair(input_ids, embedding.weight, hidden, weights, norms[0].eps)
+        embeds = self.embed(input_ids) if input_embeds is None else input_embeds  # [T, H]
+        return torch.cat([norms[0](embeds), norms[1](hidden)], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] → draft-vocabulary logits [T, V_d] fp32."""

@@ -104,7 +104,7 @@ def test_embed_norm_pair_is_both_norms_side_by_side() -> None:
     table, hidden = randn(11, 24, seed=40, scale=2.0), randn(4, 24, seed=41, scale=3.0)
     ids = torch.tensor([3, 0, 10, 3])
     w_e, w_h = randn(24, seed=42), randn(24, seed=43)
-    y = ref.embed_norm_pair(ids, table, hidden, w_e, w_h, 1e-6)
+    y = ref.embed_norm_pair(ids, table, hidden, (w_e, w_h), 1e-6)
     assert y.shape == (4, 48) and y.dtype == torch.float32
     torch.testing.assert_close(y[:, :24].double(), direct_rms_norm(table[ids], w_e, 1e-6), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y[:, 24:].double(), direct_rms_norm(hidden, w_h, 1e-6), rtol=1e-6, atol=1e-6)
@@ -114,13 +114,15 @@ def test_embed_norm_pair_rejects_bad_arguments() -> None:
     table, hidden, w = randn(11, 8), randn(3, 8), randn(8)
     ids = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="ids must be"):
-        ref.embed_norm_pair(ids.float(), table, hidden, w, w, 1e-6)
+        ref.embed_norm_pair(ids.float(), table, hidden, (w, w), 1e-6)
     with pytest.raises(ValueError, match="hidden must be"):
-        ref.embed_norm_pair(ids[:2], table, hidden, w, w, 1e-6)
+        ref.embed_norm_pair(ids[:2], table, hidden, (w, w), 1e-6)
     with pytest.raises(ValueError, match="hidden must be"):
-        ref.embed_norm_pair(ids, table, hidden.double(), w, w, 1e-6)
-    with pytest.raises(ValueError, match="hidden_weight must be"):
-        ref.embed_norm_pair(ids, table, hidden, w, w[:7], 1e-6)
+        ref.embed_norm_pair(ids, table, hidden.double(), (w, w), 1e-6)
+    with pytest.raises(ValueError, match="the hidden norm's must be"):
+        ref.embed_norm_pair(ids, table, hidden, (w, w[:7]), 1e-6)
+    with pytest.raises(ValueError, match="a pair"):
+        ref.embed_norm_pair(ids, table, hidden, (w,), 1e-6)
 
 
 # --- Triton kernels against the reference (the interpreter on the CPU: fp32/fp16 only, tiny grids) ---
@@ -187,8 +189,8 @@ def test_embed_norm_pair_kernel(kernels, dtype: torch.dtype, num_tokens: int, hi
     hidden_rows = randn(num_tokens, hidden + 5, dtype=dtype, seed=45, scale=3.0).to(DEVICE)[:, 5:]
     ids = torch.tensor([12, 0, 5, 5, 7, 1][:num_tokens], device=DEVICE)
     w_e, w_h = randn(hidden, dtype=dtype, seed=46).to(DEVICE), randn(hidden, dtype=dtype, seed=47).to(DEVICE)
-    actual = kernels.embed_norm_pair(ids, table, hidden_rows, w_e, w_h, 1e-6)
-    assert_matches(actual, ref.embed_norm_pair(ids, table, hidden_rows, w_e, w_h, 1e-6))
+    actual = kernels.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6)
+    assert_matches(actual, ref.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6))
 
 
 def test_kernels_accept_zero_tokens(kernels) -> None:
@@ -200,7 +202,7 @@ def test_kernels_accept_zero_tokens(kernels) -> None:
     assert kernels.gated_rms_norm(empty.view(0, 1, 8), weight, empty.view(0, 1, 8), 1e-6).shape == (0, 1, 8)
     assert kernels.silu_and_mul(empty).shape == (0, 4)
     no_ids = torch.zeros(0, dtype=torch.int64, device=DEVICE)
-    assert kernels.embed_norm_pair(no_ids, randn(3, 8).to(DEVICE), empty, weight, weight, 1e-6).shape == (0, 16)
+    assert kernels.embed_norm_pair(no_ids, randn(3, 8).to(DEVICE), empty, (weight, weight), 1e-6).shape == (0, 16)
 
 
 @pytest.mark.gpu
@@ -241,5 +243,5 @@ def test_embed_norm_pair_at_real_shapes_bf16(kernels, num_tokens: int, vocab: in
     hidden_rows = randn(num_tokens, hidden, dtype=dtype, seed=51, scale=4.0).cuda()
     ids = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(52)).cuda()
     w_e, w_h = randn(hidden, dtype=dtype, seed=53).cuda(), randn(hidden, dtype=dtype, seed=54).cuda()
-    actual = kernels.embed_norm_pair(ids, table, hidden_rows, w_e, w_h, 1e-6)
-    assert_matches(actual, ref.embed_norm_pair(ids, table, hidden_rows, w_e, w_h, 1e-6))
+    actual = kernels.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6)
+    assert_matches(actual, ref.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6))

@@ -19,18 +19,13 @@ def rms_norm(
 
 
 def embed_norm_pair(
-    ids: torch.Tensor,
-    table: torch.Tensor,
-    hidden: torch.Tensor,
-    embed_weight: torch.Tensor,
-    hidden_weight: torch.Tensor,
-    eps: float,
+    ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], eps: float
 ) -> torch.Tensor:
-    """ids [T], table [V, H], hidden [T, H], weights [H] → `[rms_norm(table[ids]); rms_norm(hidden)]` [T, 2H]. See
-    `reference.embed_norm_pair`."""
+    """ids [T], table [V, H], hidden [T, H], weights a pair of [H] → `[rms_norm(table[ids]); rms_norm(hidden)]`
+    [T, 2H]. See `reference.embed_norm_pair`."""
     if use_triton(hidden):
-        return kernels.embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight, eps)
-    return reference.embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight, eps)
+        return kernels.embed_norm_pair(ids, table, hidden, weights, eps)
+    return reference.embed_norm_pair(ids, table, hidden, weights, eps)
 
 
 def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

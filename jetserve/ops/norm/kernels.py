@@ -187,17 +187,12 @@ def rms_norm(
 
 
 def embed_norm_pair(
-    ids: torch.Tensor,
-    table: torch.Tensor,
-    hidden: torch.Tensor,
-    embed_weight: torch.Tensor,
-    hidden_weight: torch.Tensor,
-    eps: float,
+    ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], eps: float
 ) -> torch.Tensor:
     """The embedding gather and both RMSNorms of EAGLE-3's draft-layer input in one launch; see
     `reference.embed_norm_pair`. ids [T], table [V, H] and hidden [T, H] (unit stride on H; any row strides), weights
-    [H] → [T, 2H]."""
-    check_embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight)
+    (the embedding's norm weight, the hidden state's) [H] each → [T, 2H]."""
+    check_embed_norm_pair(ids, table, hidden, weights)
     num_rows, width = hidden.shape
     y = torch.empty(num_rows, 2 * width, dtype=table.dtype, device=table.device)  # [T, 2H]
     if num_rows == 0:
@@ -211,8 +206,7 @@ def embed_norm_pair(
         ids,
         table,
         hidden,
-        embed_weight,
-        hidden_weight,
+        *weights,
         y,
         table.stride(0),
         hidden.stride(0),

@@ -43,13 +43,10 @@ def rms_norm(
 
 
 def check_embed_norm_pair(
-    ids: torch.Tensor,
-    table: torch.Tensor,
-    hidden: torch.Tensor,
-    embed_weight: torch.Tensor,
-    hidden_weight: torch.Tensor,
+    ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    """ValueError unless ids [T] (integers), table [V, H], hidden [T, H] (table's dtype) and both weights [H] fit."""
+    """ValueError unless ids [T] (integers), table [V, H], hidden [T, H] (table's dtype) and a pair of weights [H]
+    fit."""
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"ids must be [T] integers, got shape {tuple(ids.shape)} {ids.dtype}")
     if table.dim() != 2:
@@ -60,25 +57,22 @@ def check_embed_norm_pair(
             f"hidden must be [T, H] = [{ids.shape[0]}, {width}] in {table.dtype}, got {tuple(hidden.shape)} "
             f"{hidden.dtype}"
         )
-    for name, w in (("embed_weight", embed_weight), ("hidden_weight", hidden_weight)):
+    if len(weights) != 2:
+        raise ValueError(f"weights must be a pair (the embedding's norm weight, the hidden's), got {len(weights)}")
+    for name, w in zip(("embed", "hidden"), weights, strict=True):
         if w.shape != (width,):
-            raise ValueError(f"{name} must be [H] = [{width}], got shape {tuple(w.shape)}")
+            raise ValueError(f"weights: the {name} norm's must be [H] = [{width}], got shape {tuple(w.shape)}")
 
 
 def embed_norm_pair(
-    ids: torch.Tensor,
-    table: torch.Tensor,
-    hidden: torch.Tensor,
-    embed_weight: torch.Tensor,
-    hidden_weight: torch.Tensor,
-    eps: float,
+    ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], eps: float
 ) -> torch.Tensor:
-    """EAGLE-3's draft-layer input: `[rms_norm(table[ids], embed_weight); rms_norm(hidden, hidden_weight)]`, each
-    half `rms_norm`'s math and single rounding. ids [T], table [V, H], hidden [T, H], weights [H] → [T, 2H] in
+    """EAGLE-3's draft-layer input: `[rms_norm(table[ids], weights[0]); rms_norm(hidden, weights[1])]`, each half
+    `rms_norm`'s math and single rounding. ids [T], table [V, H], hidden [T, H], weights a pair of [H] → [T, 2H] in
     table.dtype."""
-    check_embed_norm_pair(ids, table, hidden, embed_weight, hidden_weight)
+    check_embed_norm_pair(ids, table, hidden, weights)
     embeds = table[ids.long()]  # [T, H]
-    return torch.cat([_normalize(embeds, embed_weight, eps), _normalize(hidden, hidden_weight, eps)], dim=-1)
+    return torch.cat([_normalize(embeds, weights[0], eps), _normalize(hidden, weights[1], eps)], dim=-1)
 
 
 def check_gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor) -> None:

@@ -89,6 +89,11 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="with --forced-acceptance all: accept the first K drafts of each tree (tau = K + 1 where the tree is that "
         "deep), for the speed-up curve over K = 0 .. the tree's depth",
     )  # fmt: skip
+    spec.add_argument(
+        "--spec-rounds", type=int, default=1, metavar="N",
+        help="speculative runs per batch size, each after a plain run of the same requests (default 1); the speed-up "
+        "is over every round's tokens and seconds, so that a slow stretch of the host falls on both sides",
+    )  # fmt: skip
     p.add_argument("--plot", metavar="FILE.png", help="draw decode tokens/s against batch size, roofline as a line")
 
 
@@ -111,7 +116,8 @@ class BenchResult:
     peak_memory_gib: float | None
     copy_bandwidth_gb_s: float
     gemm_tflops: float
-    # With a draft: decode throughput over the same steps of both runs (tokens / seconds), speculative over plain.
+    # With a draft: decode throughput over the same steps of both sides (tokens / seconds; every round's with
+    # --spec-rounds), speculative over plain.
     plain_decode_tok_s: float | None = None
     spec_decode_tok_s: float | None = None
     spec_speedup: float | None = None
@@ -121,7 +127,7 @@ class BenchResult:
     spec_verify_ms: float | None = None
     spec_verify_share: float | None = None  # timed spec-run steps that verified (the rest decoded plainly)
     # Where a speed-up below 1 comes from: a slower typical step (medians) or a few slow steps (maxima), in ms.
-    plain_step_ms: tuple[float, float] | None = None  # the plain run's steps: (median, max)
+    plain_step_ms: tuple[float, float] | None = None  # the plain runs' steps: (median, max)
     spec_plain_step_ms: tuple[float, float] | None = None  # the spec run's steps that decoded plainly
     spec_verify_step_ms: tuple[float, float] | None = None  # the spec run's verify steps
     # Triton kernel specializations first built during the timed runs (each a compile or a disk-cache load inside a
@@ -152,6 +158,9 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     num_prompts = getattr(args, "num_prompts", None)
     if num_prompts is not None and (dataset != "mtbench" or num_prompts < 1):
         raise ValueError("--num-prompts: needs --dataset mtbench and a count ≥ 1")
+    spec_rounds = getattr(args, "spec_rounds", 1)
+    if spec_rounds < 1 or (spec_rounds > 1 and not draft_arg):
+        raise ValueError("--spec-rounds: needs --draft and a count ≥ 1")
     kwargs = _engine_kwargs(args, batch_sizes)
     forced = getattr(args, "forced_acceptance", None)
     tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
@@ -166,7 +175,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         for batch_size in batch_sizes:
             prompts = bench_prompts(engine, dataset, batch_size, args.input_len, args.seed, num_prompts)
             result = bench_batch(engine, prompts, args.output_len, bandwidth, tflops, batch_size,
-                                 stop_at_eos=dataset == "mtbench")  # fmt: skip
+                                 stop_at_eos=dataset == "mtbench", spec_rounds=spec_rounds)  # fmt: skip
             results.append(result)
             if args.json:
                 print(json.dumps(asdict(result)), flush=True)
@@ -375,11 +384,13 @@ def bench_batch(
     batch_size: int | None = None,
     *,
     stop_at_eos: bool = False,
+    spec_rounds: int = 1,
 ) -> BenchResult:
     """Prefill the first `batch_size` (default: all) of `prompts` alone, then decode `prompts`, at most `batch_size`
     at a time (a finished request's place goes to the next prompt), `output_len` tokens each or, `stop_at_eos`, to
-    each one's end of turn within `output_len` — plainly, and speculatively with a draft. Decode figures are over the
-    steps that decoded `batch_size` sequences and nothing else."""
+    each one's end of turn within `output_len` — plainly, and speculatively with a draft (`spec_rounds` speculative
+    runs, each after a plain one). Decode figures are over the steps that decoded `batch_size` sequences and nothing
+    else; the plain ones (TPOT, decode tok/s) are the first plain run's."""
     device = engine.runner.device
     batch_size = batch_size or len(prompts)
     batch = prompts[:batch_size]
@@ -403,7 +414,7 @@ def bench_batch(
     assert engine.is_idle_and_clean()
     spec_fields = {}
     if engine.spec is not None:
-        spec_fields = _bench_speculative(engine, prompts, params, plain, batch_size)
+        spec_fields = _bench_speculative(engine, prompts, params, plain, batch_size, spec_rounds)
     if not decode_steps:
         raise ValueError(f"--batch-sizes: {batch_size} never decoded as one batch (too few state slots or pages, or "
                          f"every request ended before the last one started decoding?)")  # fmt: skip
@@ -463,10 +474,16 @@ def _warm_up(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> No
 
 
 def _bench_speculative(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, plain: RunResult, batch_size: int
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    plain: RunResult,
+    batch_size: int,
+    rounds: int = 1,
 ) -> dict:
-    """The same requests again with speculation on; with forced acceptance, the drafts come from the plain run's
-    greedy continuations. Throughput on both sides is tokens over seconds of the steps that decoded the whole batch."""
+    """The same requests again with speculation on, `rounds` times, a plain run before each after the first (`plain`
+    is the first round's); with forced acceptance, the drafts come from the plain run's greedy continuations.
+    Throughput on both sides is tokens over seconds of the steps that decoded the whole batch, over every round."""
     from jetserve.engine.speculative import SpecStats
 
     spec = engine.spec
@@ -474,15 +491,25 @@ def _bench_speculative(
     spec.forced_continuations = {
         f"{label}-{i}": prompt + plain.outputs[i] for i, prompt in enumerate(prompts)
     }  # fmt: skip
-    engine.set_speculation(True)
     spec.stats = SpecStats()
+    plains, runs = [plain], []
     with watch_specializations() as spec_new:
-        run = _run(engine, prompts, params, label, batch_size)
+        for r in range(rounds):
+            if r:  # alternate: a slower stretch of the host falls on both sides
+                engine.set_speculation(False)
+                plains.append(_run(engine, prompts, params, f"decode  b={batch_size} round {r + 1}", batch_size))
+            engine.set_speculation(True)
+            runs.append(_run(engine, prompts, params, label, batch_size))
     _report_specializations(label, spec_new)
     assert engine.is_idle_and_clean()
     stats = spec.stats
-    plain_tok_s = plain.decode_tokens / max(sum(plain.decode_step_seconds), 1e-12)
-    spec_tok_s = run.decode_tokens / max(sum(run.decode_step_seconds), 1e-12)
+    plain_tok_s = _tokens_per_second(plains)
+    spec_tok_s = _tokens_per_second(runs)
+    run = RunResult(
+        sum(r.seconds for r in runs), [t for r in runs for t in r.decode_step_seconds],
+        sum(r.decode_tokens for r in runs), runs[0].outputs, [v for r in runs for v in r.step_verified],
+    )  # fmt: skip
+    plain_steps = [t for p in plains for t in p.decode_step_seconds]
     return dict(
         plain_decode_tok_s=round(plain_tok_s, 1),
         spec_decode_tok_s=round(spec_tok_s, 1),
@@ -492,7 +519,7 @@ def _bench_speculative(
         spec_draft_ms=round(stats.draft_ms_per_step, 4),
         spec_verify_ms=round(stats.verify_ms_per_step, 4),
         spec_verify_share=round(run.verify_steps / max(len(run.decode_step_seconds), 1), 4),
-        plain_step_ms=_median_and_max(plain.decode_step_seconds),
+        plain_step_ms=_median_and_max(plain_steps),
         spec_plain_step_ms=_median_and_max([t for t, v in run.steps() if not v]),
         spec_verify_step_ms=_median_and_max([t for t, v in run.steps() if v]),
         spec_new_specializations=sum(spec_new.values()),
@@ -554,6 +581,11 @@ def _run(
     print(file=sys.stderr)
     ordered = [outputs[f"{label}-{i}"] for i in range(len(prompts))]
     return RunResult(seconds, decode_steps, decode_tokens, ordered, step_verified)
+
+
+def _tokens_per_second(runs: list[RunResult]) -> float:
+    """Decode tokens over the seconds of the steps that decoded the whole batch, summed over `runs`."""
+    return sum(r.decode_tokens for r in runs) / max(sum(sum(r.decode_step_seconds) for r in runs), 1e-12)
 
 
 def _median_and_max(seconds: list[float]) -> tuple[float, float] | None:

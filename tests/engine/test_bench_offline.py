@@ -57,6 +57,41 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
         assert r["spec_tau"] == 1.0 and r["spec_acceptance_per_depth"] == [0.0, 0.0]
 
 
+def test_bench_offline_spec_rounds_alternate_plain_and_speculative_runs(capsys, monkeypatch):
+    """Two rounds: plain, speculative, plain, speculative (after the warm-ups and the prefill run); the speed-up is
+    over both rounds' tokens and seconds, each side's."""
+    from jetserve.engine import bench_offline
+
+    runs = []
+    real_run = bench_offline._run
+
+    def recording_run(engine, prompts, params, label, full_batch=0):
+        result = real_run(engine, prompts, params, label, full_batch)
+        runs.append((label, engine.runner.spec is not None, result))
+        return result
+
+    monkeypatch.setattr(bench_offline, "_run", recording_run)
+    args = parse(["--config", "tiny", "--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--dtype",
+                  "float32", "--device", "cpu", "--json", "--draft", "random", "--forced-acceptance", "right",
+                  "--no-spec-adaptive", "--spec-steps", "2", "--spec-rounds", "2"])  # fmt: skip
+    assert run_offline_bench(args) == 0
+    (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    timed = [(label, speculating, result) for label, speculating, result in runs if result.decode_step_seconds]
+    assert [speculating for _, speculating, _ in timed] == [False, True, False, True]
+    sides = [[result for _, speculating, result in timed if speculating is side] for side in (False, True)]
+    plain, spec = (sum(x.decode_tokens for x in side) / sum(sum(x.decode_step_seconds) for x in side) for side in sides)
+    assert r["plain_decode_tok_s"] == pytest.approx(plain, rel=1e-3)
+    assert r["spec_decode_tok_s"] == pytest.approx(spec, rel=1e-3)
+    assert r["spec_tau"] == 3.0 and r["spec_verify_share"] == 1.0  # both speculative rounds, every draft accepted
+
+
+def test_bench_offline_spec_rounds_need_a_draft_and_a_count():
+    with pytest.raises(ValueError, match="--spec-rounds"):
+        run_offline_bench(parse(["--config", "tiny", "--device", "cpu", "--spec-rounds", "2"]))
+    with pytest.raises(ValueError, match="--spec-rounds"):
+        run_offline_bench(parse(["--config", "tiny", "--device", "cpu", "--draft", "random", "--spec-rounds", "0"]))
+
+
 @pytest.mark.parametrize("depth", [0, 1])
 def test_bench_offline_forced_depth_sets_tau(capsys, depth):
     args = parse(["--config", "tiny", "--batch-sizes", "2", "--input-len", "5", "--output-len", "9", "--dtype",

@@ -505,10 +505,7 @@ def _bench_speculative(
     stats = spec.stats
     plain_tok_s = _tokens_per_second(plains)
     spec_tok_s = _tokens_per_second(runs)
-    run = RunResult(
-        sum(r.seconds for r in runs), [t for r in runs for t in r.decode_step_seconds],
-        sum(r.decode_tokens for r in runs), runs[0].outputs, [v for r in runs for v in r.step_verified],
-    )  # fmt: skip
+    spec_steps = [step for r in runs for step in r.steps()]  # (seconds, verified) of every round's timed steps
     plain_steps = [t for p in plains for t in p.decode_step_seconds]
     return dict(
         plain_decode_tok_s=round(plain_tok_s, 1),
@@ -518,10 +515,10 @@ def _bench_speculative(
         spec_acceptance_per_depth=[round(r, 4) for r in stats.acceptance_rate_per_depth],
         spec_draft_ms=round(stats.draft_ms_per_step, 4),
         spec_verify_ms=round(stats.verify_ms_per_step, 4),
-        spec_verify_share=round(run.verify_steps / max(len(run.decode_step_seconds), 1), 4),
+        spec_verify_share=round(sum(v for _, v in spec_steps) / max(len(spec_steps), 1), 4),
         plain_step_ms=_median_and_max(plain_steps),
-        spec_plain_step_ms=_median_and_max([t for t, v in run.steps() if not v]),
-        spec_verify_step_ms=_median_and_max([t for t, v in run.steps() if v]),
+        spec_plain_step_ms=_median_and_max([t for t, v in spec_steps if not v]),
+        spec_verify_step_ms=_median_and_max([t for t, v in spec_steps if v]),
         spec_new_specializations=sum(spec_new.values()),
     )
 

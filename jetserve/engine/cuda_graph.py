@@ -16,6 +16,7 @@ import torch
 from jetserve import envs
 from jetserve.engine import graph_split
 from jetserve.spec.tree import DraftTree
+from jetserve.spec.verifier import next_tree_inputs
 
 if TYPE_CHECKING:
     from jetserve.engine.config import EngineConfig
@@ -212,9 +213,8 @@ class SpecGraphRunner:
         self.results[shape][:B].copy_(result)
         # The inputs of a next verify step of the same rows, for `draft_ahead`: the bonus token as the root, cached
         # past the accepted path. (Padded rows accept nothing and keep their zeros.)
-        count = result[:, spec.shapes[shape].num_draft_tokens]  # [B]: accepted nodes, root included
-        bonus = result.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)  # [B]
-        self.tokens[:B].copy_(torch.where(count > 0, bonus, 0))
+        roots, count = next_tree_inputs(result, spec.shapes[shape].num_draft_tokens)  # [B] each
+        self.tokens[:B].copy_(roots)
         self.positions[:B].add_(count)
 
     def _flush(self, B: int) -> None:
@@ -286,12 +286,19 @@ class SpecGraphRunner:
         in the static buffers (`next_inputs` [3, N]: their host copy), so that the draft runs while the host
         postprocesses. Drafting writes nothing but the static trees; `draft` takes them only for these inputs, and
         otherwise drafts again (the rows changed, or the step is not a verify step of this shape)."""
-        self.graphs[("draft", self._bucket(next_inputs.shape[1]), shape)].replay()
+        self.draft_next(shape, next_inputs.shape[1])
         self.ahead = (shape, next_inputs)
 
-    def verify(self, shape: int, prefix: torch.Tensor, slots: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def draft_next(self, shape: int, num_seqs: int) -> None:
+        """Draft the trees of the verify step after the one `verify` just replayed, for its `num_seqs` rows, from the
+        inputs its graph left in the static buffers: a verify step launched before the host read that one's result
+        (`SpecDecoder.launch_verify_next`); `verify` follows."""
+        self.ahead = None
+        self.graphs[("draft", self._bucket(num_seqs), shape)].replay()
+
+    def verify(self, shape: int, num_seqs: int, greedy: bool) -> torch.Tensor:
         """The verify step of the trees `draft` just made (same rows); returns the [N, T_d + 2] result view."""
-        N = prefix.shape[0]
+        N = num_seqs
         self.graphs[("verify", self._bucket(N), shape, greedy)].replay()
         return self.results[shape][:N]
 

@@ -1,5 +1,5 @@
 """LLMEngine: requests in, RequestOutputs out; a step is schedule → run → postprocess (Batch → ForwardBatch →
-StepOutput), or with overlap scheduling: launch the next decode step → postprocess the one in flight."""
+StepOutput), or with overlap scheduling: launch the next decode or verify step → postprocess the one in flight."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from jetserve.engine.model_runner import DecodeLaunch, ModelRunner, profile_acti
 from jetserve.engine.output import OutputProcessor, RequestOutput
 from jetserve.engine.scheduler import Batch, Scheduler
 from jetserve.engine.sequence import FinishReason, Sequence, SequenceStatus
-from jetserve.engine.speculative import SpecDecoder, SpecStats, draft_shapes
+from jetserve.engine.speculative import SpecDecoder, SpecStats, VerifyLaunch, draft_shapes
 from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import Phase
 from jetserve.model.fusion import fuse_projections
@@ -35,6 +35,8 @@ from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import Eagle3DraftModel
 
 logger = logging.getLogger(__name__)
+
+Launch = DecodeLaunch | VerifyLaunch  # a step queued on the device, read by `LLMEngine._resolve`
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,7 +126,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
-        self._in_flight: DecodeLaunch | None = None  # the decode step launched ahead (overlap scheduling)
+        self._in_flight: Launch | None = None  # the step launched ahead (overlap scheduling)
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args) -> LLMEngine:
@@ -216,11 +218,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token (finished ones included).
 
-        With `config.overlap_scheduling`, plain decode steps run one ahead: a call launches the decode step after
-        the one in flight (its inputs are that step's tokens, still on the device), and only then waits for the
-        one in flight and postprocesses it, so the host's work overlaps the device's. Each call still returns one
-        step's outputs. Anything else (prefill, verify steps, log-probs) runs synchronously, once the pipeline has
-        drained (`_launch_next` says when).
+        With `config.overlap_scheduling`, decode and verify steps run one ahead: a call launches the step after the
+        one in flight (its inputs are that step's tokens or result, still on the device), and only then waits for
+        the one in flight and postprocesses it, so the host's work overlaps the device's. Each call still returns
+        one step's outputs. Anything else (prefill, log-probs) runs synchronously, once the pipeline has drained
+        (`_launch_next` says when).
         """
         start = time.perf_counter()
         launch = self._in_flight
@@ -229,17 +231,20 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
-            if not self._can_overlap(batch):
+            if self._can_overlap(batch):
+                launch = self.runner.launch_decode(batch)
+            elif batch.phase is Phase.VERIFY and self.config.overlap_scheduling:
+                launch = self.runner.launch_verify(batch)
+            else:
                 return self._run(batch, start)
-            launch = self.runner.launch_decode(batch)
         self._in_flight = self._launch_next(launch)
         outputs = self._resolve(launch)
         if self.runner.spec is not None and ahead:
-            # The policy weighs plain decoding by what its steps take launched ahead. A step started here (after a
-            # verify or prefill step, the pipeline empty) runs unoverlapped: timing it made plain decoding look
-            # slower the more often a draft shape was chosen, and the policy chose one ever more often (session 17:
-            # 77% verify steps at batch 1, 0.51x).
-            self.spec.record_step(-1, len(launch.seqs), time.perf_counter() - start)
+            # The policy weighs each option by what its steps take launched ahead. A step started here (the
+            # pipeline empty: after a prefill step or a switch between plain decoding and a draft shape) runs
+            # unoverlapped: timing plain ones made plain decoding look slower the more often a draft shape was
+            # chosen, and the policy chose one ever more often (session 17: 77% verify steps at batch 1, 0.51x).
+            self.spec.record_step(launch.option, len(launch.seqs), time.perf_counter() - start)
         return outputs
 
     def _run(self, batch: Batch, start: float) -> list[RequestOutput]:
@@ -267,21 +272,23 @@ class LLMEngine:
     def _can_overlap(self, batch: Batch) -> bool:
         """Whether `batch` may start a run of decode steps launched ahead: a plain DECODE batch (with speculation, one
         the policy chose plain) and no request asking for log-probs (they are computed from the step's logits, which
-        the next launch overwrites)."""
+        the next launch overwrites). (A VERIFY batch starts a run of verify steps whenever overlap is on.)"""
         return (
             self.config.overlap_scheduling
             and batch.phase is Phase.DECODE
             and all(s.sampling_params.logprobs is None for s in batch.seqs)
         )
 
-    def _launch_next(self, prev: DecodeLaunch) -> DecodeLaunch | None:
-        """Launch the decode step after `prev` (not yet resolved) for its sequences that will still run after it;
-        None to drain instead, so that the next call schedules: when a waiting request could be admitted, when
-        every sequence ends at `prev` (or has ended), when the pages for the step do not fit (the scheduler then
-        preempts), or, speculating, when the policy picks a draft shape for the step (a draft ring that the step
-        would wrap catches up behind `prev` instead: `SpecDecoder.plan_decode_ahead`)."""
+    def _launch_next(self, prev: Launch) -> Launch | None:
+        """Launch the step after `prev` (not yet resolved) for its sequences that will still run after it; None to
+        drain instead, so that the next call schedules: when a waiting request could be admitted, when every
+        sequence ends at `prev` (or has ended), when the pages for the step do not fit (the scheduler then
+        preempts), or, speculating, when the policy picks another option for the step (a draft ring that a plain
+        step would wrap catches up behind `prev` instead: `SpecDecoder.plan_decode_ahead`)."""
         if not self.config.overlap_scheduling or self.scheduler.can_admit():
             return None
+        if isinstance(prev, VerifyLaunch):
+            return self._launch_next_verify(prev)
         # A sequence whose token from `prev` reaches its length limit runs no further step: it would only be
         # discarded, and could ask for a page past what the sequence may ever hold (`Scheduler.add` lets prompt +
         # max tokens exceed the pool by the one token that is never cached). One that stops on EOS or a stop string
@@ -303,13 +310,33 @@ class LLMEngine:
             self.block_manager.append(seq, 2)
         return self.runner.launch_next(prev, keep, seqs, slots, positions)
 
-    def _resolve(self, launch: DecodeLaunch) -> list[RequestOutput]:
+    def _launch_next_verify(self, prev: VerifyLaunch) -> VerifyLaunch | None:
+        """The verify step after `prev`, for all of its sequences (a run of verify steps drains when one ends): only
+        when `prev` cannot end any by length, and the pages and the context hold the longest path `prev` may accept
+        (T_d nodes, root included) and this step's tree (T_d more) past the cached tokens."""
+        num_nodes = self.spec.shapes[prev.shape].num_draft_tokens
+        reach = 2 * num_nodes
+        for seq in prev.seqs:
+            if seq.status != SequenceStatus.RUNNING or seq.num_output_tokens + num_nodes >= seq.max_output_tokens:
+                return None
+            if seq.num_computed_tokens + reach > self.max_model_len:
+                return None
+        needed = sum(self.block_manager.pages_needed(seq, reach) for seq in prev.seqs)
+        if needed > self.block_manager.num_free_pages or not self.spec.plan_verify_ahead(len(prev.seqs), prev.shape):
+            return None
+        for seq in prev.seqs:
+            self.block_manager.append(seq, reach)
+        return self.runner.launch_verify_next(prev)
+
+    def _resolve(self, launch: Launch) -> list[RequestOutput]:
         """Wait for `launch`'s tokens and postprocess them for its sequences that still run; outputs as `step`.
 
         A sequence that finished (EOS, a stop token or string) or was aborted since `launch` was launched gets no
         token from it: its pages and slot were freed when it ended, and whatever reuses them next is queued on the
         device behind `launch`, so its late writes into them are overwritten before anyone reads them.
         """
+        if isinstance(launch, VerifyLaunch):
+            return self._resolve_verify(launch)
         token_ids = launch.token_ids()
         rows = [i for i, seq in enumerate(launch.seqs) if seq.status == SequenceStatus.RUNNING]
         outputs = []
@@ -319,6 +346,23 @@ class LLMEngine:
             batch = Batch(Phase.DECODE, [launch.seqs[i] for i in rows], [1] * len(rows))
             assert all(batch.is_sampling), "a launched decode step computes each sequence's last token"
             updated = self.scheduler.postprocess(batch, [token_ids[i] for i in rows])
+            outputs = [self._process(seq) for seq in updated]
+        self._drop_ended_launch()
+        return outputs
+
+    def _resolve_verify(self, launch: VerifyLaunch) -> list[RequestOutput]:
+        """`_resolve` for a VERIFY step: its accepted tokens; with a verify step launched after it in flight, each
+        sequence keeps the pages of that step's tree."""
+        rows = [i for i, seq in enumerate(launch.seqs) if seq.status == SequenceStatus.RUNNING]
+        followed = self._in_flight is not None
+        emitted = self.spec.finish_verify(launch, rows, followed)
+        outputs = []
+        if rows:
+            num_nodes = self.spec.shapes[launch.shape].num_draft_tokens
+            seqs = [launch.seqs[i] for i in rows]
+            batch = Batch(Phase.VERIFY, seqs, [1] * len(rows), num_draft_tokens=num_nodes, draft_shape=launch.shape)
+            updated = self.scheduler.postprocess_verify(batch, emitted, num_nodes if followed else 1)
+            self.runner.pages_trimmed(seqs)
             outputs = [self._process(seq) for seq in updated]
         self._drop_ended_launch()
         return outputs

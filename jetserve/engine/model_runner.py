@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from jetserve.engine.host_copy import start_host_copy
 from jetserve.engine.memory_plan import MemoryPlan, ring_tokens_for
 from jetserve.engine.sampler import Sampler
 from jetserve.engine.scheduler import Batch
@@ -21,7 +22,7 @@ from jetserve.ops.kv_metadata import kv_metadata
 from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
 if TYPE_CHECKING:
-    from jetserve.engine.speculative import SpecDecoder
+    from jetserve.engine.speculative import SpecDecoder, VerifyLaunch
 
 
 def _inference(fn):
@@ -74,14 +75,12 @@ class DecodeLaunch:
         positions_host: np.ndarray,
     ) -> DecodeLaunch:
         """Start copying `tokens` to the host without waiting for them."""
-        inputs = (seqs, tokens, positions, state_indices, slots_host, positions_host)
-        if tokens.device.type != "cuda":
-            return cls(*inputs, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(tokens.device))  # the tokens' device, whichever is current
-        return cls(*inputs, host, copied)
+        return cls(seqs, tokens, positions, state_indices, slots_host, positions_host, *start_host_copy(tokens))
+
+    @property
+    def option(self) -> int:
+        """The adaptive policy's option this step ran: plain decoding."""
+        return -1
 
     def next_rows(self, keep: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The slots [N] and the positions [N] cached by the decode step after this one, for its rows `keep`."""
@@ -103,7 +102,8 @@ class ModelRunner:
     and one copy to the device; everything derived from them (K/V slot mapping, block tables, sampling rows) is
     computed on the device from tables indexed by state slot. The one synchronisation is reading the sampled tokens;
     a DECODE step can be launched without it (`launch_decode`, then `launch_next` for the step after, whose inputs
-    are the first one's tokens on the device) and its tokens read later (`DecodeLaunch.token_ids`).
+    are the first one's tokens on the device) and its tokens read later (`DecodeLaunch.token_ids`); likewise a VERIFY
+    step (`launch_verify`, then `launch_verify_next`, whose inputs are the first one's result on the device).
 
     With a SpecDecoder attached (`attach_spec`), PREFILL and DECODE steps also capture the draft's target features;
     PREFILL steps catch the draft up on the positions they cached, DECODE steps leave their features to the
@@ -214,6 +214,22 @@ class ModelRunner:
             input_ids, state_indices = prev.tokens[rows], prev.state_indices[rows]
             positions_d = prev.positions[rows] + 1
         return self._decode(seqs, slots, positions, input_ids, positions_d, state_indices)[0]
+
+    @_inference
+    def launch_verify(self, batch: Batch) -> VerifyLaunch:
+        """Queue a VERIFY step on the device and return without waiting for its result."""
+        assert self.spec is not None and batch.phase is Phase.VERIFY, "a VERIFY batch needs a SpecDecoder"
+        slots = self._claim(batch.seqs)
+        return self.spec.launch_verify(batch.seqs, slots, batch.draft_shape, self.sampler.is_all_greedy(slots))
+
+    @_inference
+    def launch_verify_next(self, prev: VerifyLaunch) -> VerifyLaunch:
+        """Queue the VERIFY step that follows `prev` for the same sequences, which already hold the pages of its
+        longest accepted path and the next tree: its inputs are taken from `prev`'s result on the device
+        (`SpecDecoder.launch_verify_next`), so this queues behind `prev` without waiting for it."""
+        self._claim_slots(prev.seqs, prev.slots_host)  # writes the new pages into the block table
+        self.sampler.sync()
+        return self.spec.launch_verify_next(prev)
 
     def _claim(self, seqs: list[Sequence]) -> np.ndarray:
         """The state slots of `seqs` [N], after bringing the slot-indexed tables (pages, sampling) up to date."""

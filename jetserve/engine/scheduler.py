@@ -195,18 +195,20 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def postprocess_verify(self, batch: Batch, emitted: list[list[int]]) -> list[Sequence]:
+    def postprocess_verify(self, batch: Batch, emitted: list[list[int]], num_kept: int = 1) -> list[Sequence]:
         """Advance every sequence of a VERIFY `batch` by the tokens it accepted: `emitted[i]` is sequence i's
         accepted drafts then its bonus token (≥ 1 token). The root and the accepted drafts are now cached; the pages
-        of rejected nodes go back. Tokens are appended one by one with the stop checks of `postprocess`, so a stop
-        token or the length limit inside the accepted path cuts it there. Returns the sequences (all got tokens)."""
+        past the next `num_kept` tokens go back (the rejected nodes': 1 keeps the bonus token's page; a verify step
+        launched ahead keeps its tree's, T_d). Tokens are appended one by one with the stop checks of `postprocess`,
+        so a stop token or the length limit inside the accepted path cuts it there. Returns the sequences (all got
+        tokens)."""
         assert batch.phase is Phase.VERIFY and len(emitted) == batch.num_seqs
         for seq, tokens in zip(batch.seqs, emitted, strict=True):
             assert seq.status == SequenceStatus.RUNNING and seq.is_decoding, f"{seq} is not decoding"
             assert tokens, f"{seq}: a verify step emits at least the bonus token"
             # The root plus the accepted drafts (all but the bonus) are in the caches now.
             seq.num_computed_tokens += len(tokens)
-            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+            self.block_manager.trim(seq, seq.num_computed_tokens + num_kept)
             for token in tokens:
                 self._append_token(seq, token)
                 if seq.is_finished:

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from jetserve.engine.config import max_tree_nodes
+from jetserve.engine.host_copy import start_host_copy
 from jetserve.engine.sequence import Sequence
 from jetserve.ops.feature_ring import store_features
 from jetserve.spec.drafter import Drafter, DraftKV
 from jetserve.spec.eagle3 import Eagle3DraftModel
 from jetserve.spec.tree import DraftTree
-from jetserve.spec.verifier import SamplingRows, Verifier
+from jetserve.spec.verifier import SamplingRows, Verifier, next_tree_inputs
 
 if TYPE_CHECKING:
     from jetserve.engine.model_runner import ModelRunner
@@ -291,6 +292,10 @@ class SpecStats:
     num_accepted_tokens: int = 0  # drafted nodes accepted
     drafted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts whose tree reached depth d
     accepted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: drafts with ≥ d accepted nodes
+    num_verify_steps_ahead: int = 0  # verify steps launched before the host read the one before (overlap)
+    # Verify steps launched, those whose sequences all ended before they were read (and were not counted) included:
+    # which ones are timed (PHASE_TIMING_EVERY) is decided at launch.
+    num_verify_launches: int = 0
     # Phase times, summed over the verify steps timed (every PHASE_TIMING_EVERY-th, the first included):
     timed_verify_steps: int = 0
     draft_seconds: float = 0.0  # drafting the trees, after catching up on what plain steps skipped
@@ -336,6 +341,7 @@ class SpecStats:
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_verify_steps_ahead": self.num_verify_steps_ahead,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_rate_per_depth": [round(r, 4) for r in self.acceptance_rate_per_depth],
             "draft_ms_per_step": round(self.draft_ms_per_step, 4),
@@ -367,6 +373,59 @@ class _PhaseTimer:
         if self.is_cuda:
             return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]
         return [b - a for a, b in itertools.pairwise(self.marks)]
+
+
+@dataclass
+class VerifyLaunch:
+    """A VERIFY step queued on the device (`SpecDecoder.launch_verify`, `launch_verify_next`): its sequences and
+    draft shape, its result rows and their copy to the host, started right behind the step, so that reading them
+    waits for this step only and a verify step launched after it may reuse the graphs' buffers."""
+
+    seqs: list[Sequence]
+    slots_host: np.ndarray  # [N] int64
+    shape: int
+    is_all_greedy: bool
+    use_graphs: bool
+    # The eager path's result [N, T_d + 2], prefix [N] and slots [N] on the device, what a verify step launched after
+    # it takes its inputs from (None on the graph path, whose verify graph leaves them in its static inputs).
+    result: torch.Tensor | None
+    prefix: torch.Tensor | None
+    slots: torch.Tensor | None
+    timer: _PhaseTimer
+    host_result: torch.Tensor  # [N, T_d + 2] int64: the result on the host (pinned on a GPU), once `copied` passed
+    copied: torch.cuda.Event | None  # None on the CPU
+    is_ahead: bool = False  # launched before the host read the step before it
+
+    @classmethod
+    def start(
+        cls,
+        seqs: list[Sequence],
+        slots_host: np.ndarray,
+        shape: int,
+        is_all_greedy: bool,
+        use_graphs: bool,
+        result: torch.Tensor,  # [N, T_d + 2]
+        prefix: torch.Tensor | None,
+        slots: torch.Tensor | None,
+        timer: _PhaseTimer,
+    ) -> VerifyLaunch:
+        """Start copying `result` to the host without waiting for it."""
+        host, copied = start_host_copy(result)
+        if copied is None and use_graphs:  # a graph's buffer (graphs run eagerly on the CPU in tests)
+            host = host.clone()
+        device = None if use_graphs else (result, prefix, slots)
+        return cls(seqs, slots_host, shape, is_all_greedy, use_graphs, *(device or (None,) * 3), timer, host, copied)
+
+    @property
+    def option(self) -> int:
+        """The adaptive policy's option this step ran: its draft shape."""
+        return self.shape
+
+    def result_rows(self) -> list[list[int]]:
+        """The result rows (waits for the step to finish on the device)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_result.tolist()
 
 
 # (the drafted tree, the sequences' slots [N] int64) → the tree to verify (tests and forced-acceptance runs).
@@ -667,17 +726,19 @@ class SpecDecoder:
         bonus = self.forced_tokens[slots, after.clamp(max=self.forced_tokens.shape[1] - 1)]  # [N]
         return accepted, (depth + 1).to(torch.int32), bonus
 
-    def run_verify(
+    def launch_verify(
         self, seqs: list[Sequence], slots_host: np.ndarray, shape: int, is_all_greedy: bool
-    ) -> list[list[int]]:
-        """One VERIFY step for `seqs` (their pages for the tree reserved). Returns each sequence's emitted tokens."""
+    ) -> VerifyLaunch:
+        """Queue a VERIFY step for `seqs` (their pages for the tree reserved) whose inputs come from the host: each
+        sequence's last token as the root, its cached length as the prefix; the draft first catches up on what plain
+        steps cached (`flush`). Returns without waiting for the result (`finish_verify` reads it)."""
         host = np.empty((3, len(seqs)), dtype=np.int64)
         host[0] = [s.token_ids[-1] for s in seqs]
         host[1] = [s.num_computed_tokens for s in seqs]
         host[2] = slots_host
         inputs = self.runner.upload_block(host)  # [3, N]
         roots, prefix, slots = inputs.unbind(0)
-        timer = _PhaseTimer(self.runner.device, enabled=self.stats.num_verify_steps % PHASE_TIMING_EVERY == 0)
+        timer = self._phase_timer()
         timer.mark()
         self.verify_caught_up = self.flush(seqs, slots_host, host[1].tolist()) > 0
         use_graphs = self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs))
@@ -685,26 +746,83 @@ class SpecDecoder:
         if use_graphs:
             tree = self.graphs.draft(shape, inputs, host)
         else:
-            tree = self.draft_tree(shape, roots, prefix, slots)
-            if self.tree_override is not None:
-                tree = self.tree_override(tree, slots)
+            tree = self._draft_eager(shape, roots, prefix, slots)
         timer.mark()
         if use_graphs:
-            result = self.graphs.verify(shape, prefix, slots, is_all_greedy)
+            result = self.graphs.verify(shape, len(seqs), is_all_greedy)
         else:
-            sampling = None if is_all_greedy else self.runner.sampler.rows(slots, prefix + 1)
-            result = self.verify(shape, tree, prefix, slots, sampling)
+            result = self._verify_eager(shape, tree, prefix, slots, is_all_greedy)
         timer.mark()
-        rows = result.tolist()  # the step's one synchronisation
+        return VerifyLaunch.start(seqs, slots_host, shape, is_all_greedy, use_graphs, result, prefix, slots, timer)
+
+    def launch_verify_next(self, prev: VerifyLaunch) -> VerifyLaunch:
+        """Queue the VERIFY step after `prev` (queued, not yet read) for the same sequences and draft shape, from
+        `prev`'s result on the device: each row's root is the bonus token `prev` emits, its prefix is `prev`'s moved
+        past the accepted path, and the draft already holds that path (`prev` caught it up), so nothing waits for
+        the host. The caller reserved the pages of the longest path `prev` may accept plus this step's tree."""
+        shape, N = prev.shape, len(prev.seqs)
+        timer = self._phase_timer()
+        timer.mark()
+        self.verify_caught_up = False
+        timer.mark()
+        if prev.use_graphs:  # the graph of `prev` left the next inputs in the static buffers
+            self.graphs.draft_next(shape, N)
+            timer.mark()
+            result = self.graphs.verify(shape, N, prev.is_all_greedy)
+            prefix = slots = None
+        else:
+            roots, count = next_tree_inputs(prev.result, self.shapes[shape].num_draft_tokens)  # [N] each
+            prefix, slots = prev.prefix + count, prev.slots
+            tree = self._draft_eager(shape, roots, prefix, slots)
+            timer.mark()
+            result = self._verify_eager(shape, tree, prefix, slots, prev.is_all_greedy)
+        timer.mark()
+        launch = VerifyLaunch.start(prev.seqs, prev.slots_host, shape, prev.is_all_greedy, prev.use_graphs, result,
+                                    prefix, slots, timer)  # fmt: skip
+        launch.is_ahead = True
+        return launch
+
+    def _draft_eager(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
+        tree = self.draft_tree(shape, roots, prefix, slots)
+        return tree if self.tree_override is None else self.tree_override(tree, slots)
+
+    def _verify_eager(
+        self, shape: int, tree: DraftTree, prefix: torch.Tensor, slots: torch.Tensor, is_all_greedy: bool
+    ) -> torch.Tensor:
+        sampling = None if is_all_greedy else self.runner.sampler.rows(slots, prefix + 1)
+        return self.verify(shape, tree, prefix, slots, sampling)
+
+    def _phase_timer(self) -> _PhaseTimer:
+        """The phase timer of the verify step launched now: every PHASE_TIMING_EVERY-th launch, the first included
+        (counted at launch: the steps launched ahead are read after the next launch)."""
+        enabled = self.stats.num_verify_launches % PHASE_TIMING_EVERY == 0
+        self.stats.num_verify_launches += 1
+        return _PhaseTimer(self.runner.device, enabled=enabled)
+
+    def finish_verify(self, launch: VerifyLaunch, rows: list[int], followed: bool) -> list[list[int]]:
+        """Read `launch`'s result (the step's one synchronisation) and account for its `rows`: the sequences still
+        running, whose progress is the launch's own (the step before it was postprocessed). Returns each row's
+        emitted tokens (accepted drafts then the bonus). Unless a verify step was launched after it (`followed`), the
+        trees of a next verify step of the same rows are drafted now, while the host postprocesses (graphs only)."""
+        results = launch.result_rows()
+        if not rows:
+            return []
+        shape = launch.shape
         num_nodes = self.shapes[shape].num_draft_tokens
-        emitted = [row[: row[num_nodes]] for row in rows]  # accepted drafts then the bonus: one per accepted node
-        cached = host[1] + np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))  # [N]
+        picked = [results[i] for i in rows]
+        emitted = [row[: row[num_nodes]] for row in picked]  # accepted drafts then the bonus: one per accepted node
+        seqs = [launch.seqs[i] for i in rows]
+        slots_host = launch.slots_host[rows]  # [n]
+        cached = np.fromiter((s.num_computed_tokens + len(e) for s, e in zip(seqs, emitted, strict=True)),
+                             dtype=np.int64, count=len(rows))  # fmt: skip
         self.draft_len[slots_host] = cached
-        if use_graphs:  # the next verify step's trees, if it verifies these rows again, drafted during postprocessing
+        if launch.use_graphs and not followed and len(rows) == len(launch.seqs):
             bonus = np.fromiter((tokens[-1] for tokens in emitted), dtype=np.int64, count=len(emitted))  # [N]
             self.graphs.draft_ahead(shape, np.stack([bonus, cached, slots_host]))
         accepted_drafts = [len(tokens) - 1 for tokens in emitted]
-        self.stats.add(num_nodes, accepted_drafts, [row[num_nodes + 1] for row in rows])
+        self.stats.add(num_nodes, accepted_drafts, [row[num_nodes + 1] for row in picked])
+        self.stats.num_verify_steps_ahead += launch.is_ahead
+        timer = launch.timer
         if timer.enabled:
             flush_s, draft_s, verify_s = timer.seconds()
             self.stats.timed_verify_steps += 1
@@ -712,6 +830,25 @@ class SpecDecoder:
             self.stats.verify_seconds += verify_s
         self.policy.record_acceptance(shape, accepted_drafts)
         return emitted
+
+    def run_verify(
+        self, seqs: list[Sequence], slots_host: np.ndarray, shape: int, is_all_greedy: bool
+    ) -> list[list[int]]:
+        """One VERIFY step for `seqs` (their pages for the tree reserved), waited for. Returns each sequence's emitted
+        tokens."""
+        launch = self.launch_verify(seqs, slots_host, shape, is_all_greedy)
+        return self.finish_verify(launch, list(range(len(seqs))), followed=False)
+
+    def plan_verify_ahead(self, num_seqs: int, shape: int) -> bool:
+        """Overlap scheduling: may the VERIFY step after the one in flight (`shape`, the same `num_seqs` sequences) be
+        launched before that one is read? Only when the policy, asked for this step now, picks the same shape;
+        otherwise its choice is kept for the step the scheduler builds next (`verify_options`), as in
+        `plan_decode_ahead`."""
+        option = self.policy.choose(num_seqs)
+        if option == shape:
+            return True
+        self._next_option = option
+        return False
 
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         from jetserve.engine.cuda_graph import SpecGraphRunner

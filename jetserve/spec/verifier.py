@@ -139,3 +139,12 @@ class Verifier:
             num_accepted = torch.where(fb.state_indices > 0, num_accepted, 0)
         self.model.commit_verified(fb, accepted, num_accepted)
         return VerifyOutput(accepted, num_accepted, bonus, aux, result)
+
+
+def next_tree_inputs(result: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a verify step's result rows [N, T_d + 2] (`VerifyOutput.result`'s layout): each row's next tree root,
+    the bonus token it emitted last, and how far its cached prefix moved, its accepted node count (root included).
+    Both [N] int64, 0 on padded rows (which accept nothing)."""
+    count = result[:, num_nodes]  # [N]
+    bonus = result.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)  # [N]
+    return torch.where(count > 0, bonus, 0), count

@@ -79,21 +79,24 @@ def greedy() -> SamplingParams:
 def test_gpu_speculative_graphs_equal_eager_and_agree_with_plain(
     tiny_checkpoint, gpu_model, draft_dir, prompts, shape, forced
 ):
+    """Eager, graphs with verify steps launched ahead (overlap scheduling), and graphs one verify step at a time
+    (which drafts each verify step's trees during the step before, same rows) give the same tokens."""
     plain = run(make_engine(tiny_checkpoint, gpu_model, enforce_eager=True), prompts, greedy())
     runs = {}
-    for eager in (True, False):
+    for eager, overlap in ((True, True), (False, True), (False, False)):
         engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, spec_adaptive=False, enforce_eager=eager,
-                             forced=forced, **shape)  # fmt: skip
+                             forced=forced, overlap_scheduling=overlap, **shape)  # fmt: skip
         assert (engine.spec.graphs is None) == eager
         for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
             engine.spec.forced_continuations[str(i)] = p + c
-        runs[eager] = run(engine, prompts, greedy())
+        runs[eager, overlap] = run(engine, prompts, greedy())
         assert engine.num_verify_steps > 0
-        if not eager:  # the graph path drafts each verify step's trees during the step before (same rows)
+        assert (engine.spec_stats.num_verify_steps_ahead > 0) == overlap
+        if not overlap:
             assert engine.spec.graphs.num_drafts_ahead[0] > 0
         if forced == "right":
             assert engine.spec_stats.acceptance_rate_per_depth[0] >= 0.95
-    assert runs[True] == runs[False]
+    assert runs[True, True] == runs[False, True] == runs[False, False]
     # Verify kernels and decode kernels round differently (fla's chunk kernel uses TF32 on Hopper even in fp32).
     assert prefix_agreement(runs[False], plain) >= 0.9
 
@@ -167,7 +170,7 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                     t.copy_(saved)
                 graph_tree = graphs.draft(shape, torch.stack([roots, prefix, slots]))
                 assert torch.equal(graph_tree.tokens, tree.tokens) and torch.equal(graph_tree.parents, tree.parents)
-                replayed = graphs.verify(shape, prefix, slots, greedy_rows).clone()
+                replayed = graphs.verify(shape, N, greedy_rows).clone()
                 assert torch.equal(replayed, eager), f"B={B} N={N} shape={shape}"
                 check_caches(eager_caches, f"B={B} N={N} shape={shape}")
 

@@ -98,7 +98,7 @@ def test_gpu_speculative_graphs_equal_eager_and_agree_with_plain(
             assert engine.spec_stats.acceptance_rate_per_depth[0] >= 0.95
     assert runs[True, True] == runs[False, True] == runs[False, False]
     # Verify kernels and decode kernels round differently (fla's chunk kernel uses TF32 on Hopper even in fp32).
-    assert prefix_agreement(runs[False], plain) >= 0.9
+    assert prefix_agreement(runs[False, True], plain) >= 0.9
 
 
 def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor]:

@@ -3,10 +3,11 @@ the default chain, with the device work stubbed — the draft returns a fixed ch
 (two drafts accepted and the bonus, tokens taken in turn from MT-bench's text so that detokenising is realistic) — so a
 step is the scheduling, the slot tables, the uploads, the read-back, the acceptance bookkeeping, the policy, the
 postprocessing and the RequestOutputs. Beside it, a plain decode step with its forward stubbed the same way. On a GPU
-the stubs are graph replays; their own cost here is measured apart and taken off. The draft of the next step runs
-on the GPU while this host work postprocesses (`SpecGraphRunner.draft_ahead`), so where the host work outlasts the
-draft graph, a verify step takes the host work plus the verify graph (session 43). There is no roofline: the figure
-is host time, which a step's bytes do not bound. One JSON line per batch size with --json.
+the stubs are graph replays; their own cost here is measured apart and taken off. With overlap scheduling (the
+default, as here) the next verify step is launched on the device before this host work reads the one in flight
+(`SpecDecoder.launch_verify_next`), so a verify step takes the longer of the host work and the GPU's draft and verify
+graphs (session 44); one at a time it took the host work plus the verify graph (session 43). There is no roofline:
+the figure is host time, which a step's bytes do not bound. One JSON line per batch size with --json.
 Usage: python bench/spec_host_step.py [--batch-sizes 1,8] [--steps 400] [--json FILE]
 """
 

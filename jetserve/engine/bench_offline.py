@@ -64,7 +64,7 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
-        help="launch each plain decode step before reading the previous one's tokens (default: on)",
+        help="launch each decode or verify step before reading the previous one's tokens (default: on)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

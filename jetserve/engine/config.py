@@ -25,8 +25,8 @@ class EngineConfig:
     `max_num_batched_tokens` is the token budget of one step (decode tokens first, then prefill chunks).
     `num_pages` / `num_slots` override the memory plan (each counts the reserved page 0 / slot 0); on a device
     without a memory query (the CPU) the plan sizes the caches from `cpu_cache_bytes` instead.
-    `overlap_scheduling` launches each plain decode step before reading the previous one's tokens, so the host's
-    scheduling and postprocessing overlap the device's work (not with speculation or log-probs).
+    `overlap_scheduling` launches each decode or verify step before reading the previous one's tokens, so the host's
+    scheduling and postprocessing overlap the device's work (not for prefill or requests asking for log-probs).
     """
 
     model: str = ""
@@ -49,7 +49,7 @@ class EngineConfig:
     spec_adaptive: bool = True  # per step, pick the tree size (or none) that the measured speed favours
     spec_feature_ring: int | None = None  # positions the draft may lag behind plain decoding (default 128)
     enforce_eager: bool = False  # no CUDA graphs
-    overlap_scheduling: bool = True  # decode one step ahead: launch step k + 1 before reading step k's tokens
+    overlap_scheduling: bool = True  # decode/verify one step ahead: launch step k + 1 before reading step k's tokens
     cuda_graph_max_batch_size: int | None = None  # defaults to max_num_seqs
     # Comma-separated decode buckets to capture, e.g. "1,8,32", in place of 1, 2, 4, 8 and every 16 up to the largest:
     # batches in between pad up, past the largest run eagerly. A single-GPU engine captures them all in one stream

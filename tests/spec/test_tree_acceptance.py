@@ -240,3 +240,22 @@ def test_input_shapes_are_checked():
     params["seeds"] = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="seeds"):
         tree_accept(logits, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.int32), **params)
+
+
+def test_next_tree_inputs_take_the_bonus_and_the_accepted_count():
+    """A verify step launched ahead takes its roots and prefix moves from the step before's result rows on the device
+    (`next_tree_inputs`): the last emitted token (the bonus) and the accepted node count; a padded row (count 0) gets
+    root 0 and stays where it is."""
+    from jetserve.spec.verifier import next_tree_inputs
+
+    num_nodes = 4
+    rows = torch.tensor(
+        [
+            [11, 12, 13, 14, 4, 3],  # every draft accepted: the bonus is the 4th token
+            [21, -1, -1, -1, 1, 3],  # nothing accepted: the bonus alone
+            [31, 32, -1, -1, 2, 2],
+            [0, 0, 0, 0, 0, 0],  # a padded row
+        ]
+    )
+    roots, count = next_tree_inputs(rows, num_nodes)
+    assert roots.tolist() == [14, 21, 32, 0] and count.tolist() == [4, 1, 2, 0]

@@ -126,6 +126,7 @@ class BenchResult:
     spec_draft_ms: float | None = None  # per verify step
     spec_verify_ms: float | None = None
     spec_verify_share: float | None = None  # timed spec-run steps that verified (the rest decoded plainly)
+    spec_verify_ahead_share: float | None = None  # verify steps launched before the one before was read (overlap)
     # Where a speed-up below 1 comes from: a slower typical step (medians) or a few slow steps (maxima), in ms.
     plain_step_ms: tuple[float, float] | None = None  # the plain runs' steps: (median, max)
     spec_plain_step_ms: tuple[float, float] | None = None  # the spec run's steps that decoded plainly
@@ -516,6 +517,7 @@ def _bench_speculative(
         spec_draft_ms=round(stats.draft_ms_per_step, 4),
         spec_verify_ms=round(stats.verify_ms_per_step, 4),
         spec_verify_share=round(sum(v for _, v in spec_steps) / max(len(spec_steps), 1), 4),
+        spec_verify_ahead_share=round(stats.num_verify_steps_ahead / max(stats.num_verify_steps, 1), 4),
         plain_step_ms=_median_and_max(plain_steps),
         spec_plain_step_ms=_median_and_max([t for t, v in spec_steps if not v]),
         spec_verify_step_ms=_median_and_max([t for t, v in spec_steps if v]),
@@ -628,7 +630,8 @@ def print_table(results: list[BenchResult]) -> None:
                   f"{r.spec_verify_share:>12.0%}  {depths}")  # fmt: skip
         for r in results:
             print(f"batch {r.batch_size} step ms, median / max: plain run {_pair(r.plain_step_ms)}; speculating: "
-                  f"plain steps {_pair(r.spec_plain_step_ms)}, verify {_pair(r.spec_verify_step_ms)}")  # fmt: skip
+                  f"plain steps {_pair(r.spec_plain_step_ms)}, verify {_pair(r.spec_verify_step_ms)} "
+                  f"({r.spec_verify_ahead_share:.0%} launched ahead)")  # fmt: skip
     if results:
         r = results[0]
         if r.stops_at_eos:

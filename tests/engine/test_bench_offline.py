@@ -49,6 +49,8 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
     assert r["spec_draft_ms"] > 0 and r["spec_verify_ms"] > 0
     # always verifying: every timed step of the speculating run verified, none decoded plainly
     assert r["spec_verify_share"] == 1.0 and r["spec_plain_step_ms"] is None
+    # overlap scheduling (the default) launches verify steps ahead while no row can end by length within the next
+    assert 0 < r["spec_verify_ahead_share"] < 1
     for median, longest in (r["plain_step_ms"], r["spec_verify_step_ms"]):
         assert 0 < median <= longest
     if forced in ("right", "all"):  # every draft accepted: 2 drafts + the bonus per step

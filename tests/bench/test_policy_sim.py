@@ -1,0 +1,55 @@
+"""bench/policy_sim.py: the engine's adaptive policy against the step-time model. With a steady host it stays within
+its exploration budget of the best option — plain decoding when every draft is wrong (never below 0.98x), the drafts
+when they pay (within 2% of the oracle) — and a policy given with --policy is the one simulated."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def simulate(tmp_path, *args: str) -> list[dict]:
+    out = tmp_path / f"sim{len(list(tmp_path.iterdir()))}.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "bench/policy_sim.py", "--steps", "6000", "--seeds", "2", "--json", str(out), *args]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_policy_sim_steady_host(tmp_path):
+    wrong, wrong_noisy = simulate(tmp_path, "--tau", "1,1")
+    assert wrong["slow_factor"] == 1.0 and wrong_noisy["slow_factor"] == 5.0
+    assert 0.98 <= wrong["speedup"] <= 1.0 and wrong["shares"]["plain"] > 0.97 and wrong["oracle_speedup"] == 1.0
+    paying, _ = simulate(tmp_path, "--tau", "3,2.5")
+    assert paying["speedup"] >= 0.98 * paying["oracle_speedup"] and paying["shares"]["plain"] < 0.02
+    for row in (wrong, wrong_noisy, paying):
+        assert sum(row["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert row["speedup"] <= row["oracle_speedup"] + 1e-9
+
+
+class AlwaysPlain:
+    """A policy that never speculates (for the --policy test)."""
+
+    def __init__(self, shapes, adaptive):
+        pass
+
+    def choose(self, num_seqs):
+        return -1
+
+    def record_step(self, option, num_seqs, seconds):
+        pass
+
+    def record_acceptance(self, option, accepted):
+        raise AssertionError("plain decoding accepts no drafts")
+
+
+def test_policy_sim_takes_a_policy_class(tmp_path):
+    rows = simulate(tmp_path, "--policy", "tests.bench.test_policy_sim:AlwaysPlain")
+    for row in rows:
+        assert row["shares"]["plain"] == 1.0 and row["speedup"] == pytest.approx(1.0, abs=1e-3)

@@ -13,7 +13,7 @@ their lengths drawn around `--fast-steps` and `--slow-steps` (seeded). Each draf
 step. Every scenario runs once with a steady host and once with the slow stretches, over `--seeds` seeds (means).
 One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
-       [--policy module:Class] [--json FILE]
+       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|module:Class] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,12 +23,59 @@ import importlib
 import json
 import random
 
-from jetserve.engine.speculative import AdaptivePolicy, DraftShape
+from jetserve.engine.speculative import EXPLORE_SAMPLES, MAX_RUN_STEPS, AdaptivePolicy, DraftShape, _Run, batch_bucket
 
 # The default pair on an H200 at batch 1 (session 44): GPU and host ms of a plain step, of a chain-7 and a chain-3
 # verify step.
 PLAIN = (0.12, 0.25)
 SHAPES = ((DraftShape(1, 7, 8), 0.53, 0.30), (DraftShape(1, 3, 4), 0.39, 0.30))
+
+
+class ConfirmedSwitchPolicy(AdaptivePolicy):
+    """A candidate change (session 44; not in the engine, not measured on a GPU): the engine's policy, except that a
+    switch of the best option that no exploration made — option Y's estimate now beats the current option X's,
+    typically because X's own newest samples rose — is confirmed before it is taken: Y runs until it has
+    EXPLORE_SAMPLES more timed steps, then X does, and only then are the options weighed again, on estimates taken a
+    few steps apart; Y is taken if it is still the best, and another option that now looks best is confirmed the
+    same way. A stall of the host that inflated X's samples then inflates Y's too, or has ended by the time X
+    is re-timed. `--policy ConfirmedSwitchPolicy`."""
+
+    def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
+        super().__init__(shapes, adaptive)
+        self.current: dict[int, int] = {}  # bucket → the option the last weighing chose
+        self.retime: dict[int, int] = {}  # bucket → the option to re-time once the confirming run ends
+        self.candidate: dict[int, int] = {}  # bucket → the option being confirmed (taken if still best after)
+
+    def choose(self, num_seqs: int) -> int:
+        if self.forced_option is not None or not self.adaptive:
+            return super().choose(num_seqs)
+        bucket = batch_bucket(num_seqs)
+        step = self.bucket_steps.get(bucket, 0)
+        if bucket in self.measured and not self._running(bucket):
+            if bucket in self.retime:
+                return self._begin(bucket, self.retime.pop(bucket), step)
+            current = self.current.get(bucket)
+            weighs = self.plain_until.get(bucket, 0) <= step < self.next_explore.get(bucket, step + 1)
+            if current is not None and weighs:
+                best, candidate = self.best(bucket), self.candidate.pop(bucket, None)
+                if best not in (current, candidate):  # a new switch: confirm it (a confirmed one is taken)
+                    self.retime[bucket], self.candidate[bucket] = current, best
+                    return self._begin(bucket, best, step)
+        option = super().choose(num_seqs)
+        if bucket in self.measured and not self._running(bucket):
+            self.current[bucket] = option
+        return option
+
+    def _running(self, bucket: int) -> bool:
+        run = self.runs.get(bucket)
+        return run is not None and run.num_chosen < MAX_RUN_STEPS and self.num_timed[(run.option, bucket)] < run.until
+
+    def _begin(self, bucket: int, option: int, step: int) -> int:
+        """A run of `option` until it has EXPLORE_SAMPLES more timed steps (not an exploration: nothing is judged)."""
+        self.bucket_steps[bucket] = step + 1
+        self.runs[bucket] = _Run(option, self.num_timed[(option, bucket)] + EXPLORE_SAMPLES, step)
+        self.plain_until.pop(bucket, None)
+        return option
 
 
 def host_factors(steps: int, fast: int, slow: int, factor: float, seed: int) -> list[float]:
@@ -83,7 +130,10 @@ def simulate(taus: list[float], factors: list[float], policy_cls: type = Adaptiv
 
 
 def load_policy(spec: str) -> type:
-    """`module:Class` → the class (an AdaptivePolicy or one with its interface)."""
+    """`module:Class` → the class (an AdaptivePolicy or one with its interface); a bare name is one of this script's
+    (`AdaptivePolicy`, `ConfirmedSwitchPolicy`)."""
+    if ":" not in spec:
+        return {"AdaptivePolicy": AdaptivePolicy, "ConfirmedSwitchPolicy": ConfirmedSwitchPolicy}[spec]
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -96,7 +146,8 @@ def main() -> None:
     p.add_argument("--slow-steps", type=int, default=20)
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--policy", default="jetserve.engine.speculative:AdaptivePolicy")
+    p.add_argument("--policy", default="AdaptivePolicy",
+                   help="AdaptivePolicy (the engine's), ConfirmedSwitchPolicy, or module:Class")  # fmt: skip
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]

@@ -53,3 +53,15 @@ def test_policy_sim_takes_a_policy_class(tmp_path):
     rows = simulate(tmp_path, "--policy", "tests.bench.test_policy_sim:AlwaysPlain")
     for row in rows:
         assert row["shares"]["plain"] == 1.0 and row["speedup"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_confirmed_switches_hold_through_host_stalls(tmp_path):
+    """The candidate `ConfirmedSwitchPolicy` (a switch that no exploration made is confirmed by running both options
+    a few steps apart before it is taken): the same as the engine's policy with a steady host, and closer to the
+    oracle when the host stalls (5x slower for ~20 steps every ~600), with wrong drafts and with drafts that pay."""
+    for tau in ("1,1", "3,2.5"):
+        engine_steady, engine_stalls = simulate(tmp_path, "--tau", tau)
+        steady, stalls = simulate(tmp_path, "--tau", tau, "--policy", "ConfirmedSwitchPolicy")
+        assert steady["speedup"] == pytest.approx(engine_steady["speedup"], abs=0.005)
+        assert stalls["speedup"] >= engine_stalls["speedup"] + 0.05
+        assert stalls["speedup"] >= 0.95 * stalls["oracle_speedup"]

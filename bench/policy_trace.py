@@ -1,13 +1,16 @@
 """What the adaptive speculation policy chose, and from which timings: the default model and its draft on MT-bench
-first turns (one run per batch size, at most the batch size at a time, each to its end of turn), every choice of the
-policy and every step time it recorded, summed up per option: the share of choices, the timed steps (count, median,
-10th and 90th percentiles), the longest run of choices, and how often the best option (by the policy's own estimate
-after each timed step) changed. `--forced-acceptance wrong` makes every draft wrong (τ = 1), where a verify step
-should only be chosen to explore; `right` makes every draft right. Runs on a GPU (bf16, CUDA graphs, overlap
-scheduling: what `jetserve bench offline` measures) or, slowly, on the CPU (fp32). There is no roofline: the figures
-are the policy's choices and the host-timed steps it judged from. One JSON line per batch size with --json.
+first turns (at most the batch size at a time, each to its end of turn), every choice of the policy and every step
+time it recorded, summed up per option: the share of choices, the timed steps (count, median, 10th and 90th
+percentiles), the longest run of choices, and how often the best option (by the policy's own estimate after each
+timed step) changed; beside it, the speed-up over a plain run of the same requests. `--policies` A/Bs policies in
+one process: each round runs plain decoding, then each policy once, a fresh instance in place of the engine's
+(`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy`, bench/policy_sim.py's candidate; or module:Class).
+`--forced-acceptance wrong` makes every draft wrong (τ = 1), where a verify step should only be chosen to explore;
+`right` makes every draft right. Runs on a GPU (bf16, CUDA graphs, overlap scheduling: what `jetserve bench offline`
+measures) or, slowly, on the CPU (fp32). There is no roofline: the figures are the policy's choices and the
+host-timed steps it judged from. One JSON line per batch size and policy with --json.
 Usage: python bench/policy_trace.py [--batch-sizes 1,8] [--forced-acceptance wrong] [--num-prompts 80]
-       [--output-len 128] [--json FILE]
+       [--output-len 128] [--policies AdaptivePolicy,ConfirmedSwitchPolicy] [--rounds 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -17,21 +20,22 @@ import json
 import statistics
 
 import torch
+from policy_sim import load_policy
 
 from jetserve.assets import DEFAULT_DRAFT, DEFAULT_MODEL
 from jetserve.engine.bench_offline import _run, bench_prompts
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import batch_bucket
+from jetserve.engine.speculative import AdaptivePolicy, batch_bucket
 from jetserve.sampling_params import SamplingParams
 
 
 class PolicyTrace:
-    """Wraps an engine's policy: each choice (the option) and each recorded step time (option, seconds), in order,
-    and after each recorded time the option the policy would now judge best for the bucket."""
+    """Wraps a policy: each choice (the option) and each recorded step time (option, seconds), in order, and after
+    each recorded time the option the policy would now judge best for the bucket."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.policy = engine.spec.policy
+    def __init__(self, policy: AdaptivePolicy) -> None:
+        self.policy = policy
         self.events: list[tuple[str, int, float]] = []  # ("choose", option, 0) / ("timed", option, seconds)
         self.best_after_timing: list[int] = []
         choose, record = self.policy.choose, self.policy.record_step
@@ -48,30 +52,29 @@ class PolicyTrace:
 
         self.policy.choose, self.policy.record_step = traced_choose, traced_record
 
-    def clear(self) -> None:
-        self.events.clear()
-        self.best_after_timing.clear()
 
-    def summary(self, names: dict[int, str]) -> dict:
-        chosen = [option for kind, option, _ in self.events if kind == "choose"]
-        options = sorted(set(chosen) | {o for kind, o, _ in self.events if kind == "timed"}, reverse=True)
-        rows = {}
-        for option in options:
-            times = sorted(1e3 * s for kind, o, s in self.events if kind == "timed" and o == option)
-            longest = run = 0
-            for c in chosen:
-                run = run + 1 if c == option else 0
-                longest = max(longest, run)
-            rows[names.get(option, str(option))] = {
-                "share": round(chosen.count(option) / max(len(chosen), 1), 4),
-                "timed": len(times),
-                "median_ms": round(statistics.median(times), 4) if times else None,
-                "p10_ms": round(times[len(times) // 10], 4) if times else None,
-                "p90_ms": round(times[(9 * len(times)) // 10], 4) if times else None,
-                "longest_run": longest,
-            }
-        flips = sum(a != b for a, b in zip(self.best_after_timing, self.best_after_timing[1:], strict=False))
-        return {"choices": len(chosen), "best_changes": flips, "options": rows}
+def summarize(traces: list[PolicyTrace], names: dict[int, str]) -> dict:
+    """The choices and timed steps of `traces` (runs of one policy) per option; best-option changes within each run."""
+    events = [event for trace in traces for event in trace.events]
+    chosen = [option for kind, option, _ in events if kind == "choose"]
+    options = sorted(set(chosen) | {o for kind, o, _ in events if kind == "timed"}, reverse=True)
+    rows = {}
+    for option in options:
+        times = sorted(1e3 * s for kind, o, s in events if kind == "timed" and o == option)
+        longest = run = 0
+        for c in chosen:
+            run = run + 1 if c == option else 0
+            longest = max(longest, run)
+        rows[names.get(option, str(option))] = {
+            "share": round(chosen.count(option) / max(len(chosen), 1), 4),
+            "timed": len(times),
+            "median_ms": round(statistics.median(times), 4) if times else None,
+            "p10_ms": round(times[len(times) // 10], 4) if times else None,
+            "p90_ms": round(times[(9 * len(times)) // 10], 4) if times else None,
+            "longest_run": longest,
+        }
+    flips = sum(a != b for t in traces for a, b in zip(t.best_after_timing, t.best_after_timing[1:], strict=False))
+    return {"choices": len(chosen), "best_changes": flips, "options": rows}
 
 
 def main() -> None:
@@ -80,43 +83,63 @@ def main() -> None:
     p.add_argument("--forced-acceptance", choices=["right", "wrong"], default=None)
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--json", help="append one JSON line per batch size to this file")
+    p.add_argument("--policies", default="AdaptivePolicy", help="comma-separated: AdaptivePolicy, "
+                   "ConfirmedSwitchPolicy, module:Class")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--json", help="append one JSON line per batch size and policy to this file")
     args = p.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    policies = {name: load_policy(name) for name in args.policies.split(",")}
     cuda = torch.cuda.is_available()
     config = EngineConfig(model=str(DEFAULT_MODEL), draft=str(DEFAULT_DRAFT), dtype="bfloat16" if cuda else "float32",
                           device="auto", max_num_seqs=max(batch_sizes), num_pages=4096,
                           num_slots=max(batch_sizes) + 2)  # fmt: skip
     engine = LLMEngine(config, forced_acceptance=args.forced_acceptance)
-    names = {
-        -1: "plain",
-        **{i: f"{s.topk}x{s.num_steps}x{s.num_draft_tokens}" for i, s in enumerate(engine.spec.shapes)},
-    }
-    trace = PolicyTrace(engine)
+    spec = engine.spec
+    names = {-1: "plain", **{i: f"{s.topk}x{s.num_steps}x{s.num_draft_tokens}" for i, s in enumerate(spec.shapes)}}
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    header = (f"{'batch':>5} {'option':>8} {'share':>6} {'timed':>6} {'median ms':>10} {'p10':>7} {'p90':>7} "
-              f"{'longest run':>12}")  # fmt: skip
+    header = (f"{'batch':>5} {'policy':>22} {'option':>8} {'share':>6} {'timed':>6} {'median ms':>10} {'p10':>7} "
+              f"{'p90':>7} {'longest run':>12}")  # fmt: skip
     for batch_size in batch_sizes:
         prompts = bench_prompts(engine, "mtbench", batch_size, 4096, 0, args.num_prompts)
-        label = f"trace{batch_size}"
-        if args.forced_acceptance is not None:  # the drafts' reference: the plain greedy continuation of each prompt
+        plain_tokens = plain_seconds = 0.0
+        spec_totals = {name: [0.0, 0.0] for name in policies}  # name → decode tokens, seconds
+        traces = {name: [] for name in policies}  # name → one PolicyTrace per round
+        for r in range(args.rounds):
             engine.set_speculation(False)
-            plain = _run(engine, prompts, params, f"plain{batch_size}", batch_size).outputs
+            plain = _run(engine, prompts, params, f"plain{batch_size}-{r}", batch_size)
+            plain_tokens += plain.decode_tokens
+            plain_seconds += sum(plain.decode_step_seconds)
             engine.set_speculation(True)
-            for i, (prompt, out) in enumerate(zip(prompts, plain, strict=True)):
-                engine.spec.forced_continuations[f"{label}-{i}"] = prompt + out
-        trace.clear()
-        _run(engine, prompts, params, label, batch_size)
-        summary = {"batch_size": batch_size, "forced": args.forced_acceptance, **trace.summary(names)}
+            for name, policy_cls in policies.items():
+                label = f"{name}{batch_size}-{r}"
+                # The drafts' reference (forced acceptance): the plain run's greedy continuation of each prompt.
+                for i, (prompt, out) in enumerate(zip(prompts, plain.outputs, strict=True)):
+                    spec.forced_continuations[f"{label}-{i}"] = prompt + out
+                spec.policy = policy_cls(spec.shapes, engine.config.spec_adaptive)
+                traces[name].append(PolicyTrace(spec.policy))
+                run = _run(engine, prompts, params, label, batch_size)
+                spec_totals[name][0] += run.decode_tokens
+                spec_totals[name][1] += sum(run.decode_step_seconds)
         print(header)
-        for name, row in summary["options"].items():
-            cells = [f"{row[k]:.3f}" if row[k] is not None else "-" for k in ("median_ms", "p10_ms", "p90_ms")]
-            print(f"{batch_size:>5} {name:>8} {row['share']:>6.1%} {row['timed']:>6} {cells[0]:>10} {cells[1]:>7} "
-                  f"{cells[2]:>7} {row['longest_run']:>12}")  # fmt: skip
-        print(f"{batch_size:>5} {summary['choices']} choices, the best option changed {summary['best_changes']} times")
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(summary) + "\n")
+        plain_tok_s = plain_tokens / max(plain_seconds, 1e-12)
+        for name in policies:
+            tokens, seconds = spec_totals[name]
+            speedup = tokens / max(seconds, 1e-12) / plain_tok_s if plain_tok_s > 0 else None
+            summary = {"batch_size": batch_size, "policy": name, "forced": args.forced_acceptance,
+                       "rounds": args.rounds, "speedup": round(speedup, 4) if speedup else None,
+                       **summarize(traces[name], names)}  # fmt: skip
+            for option, row in summary["options"].items():
+                cells = [f"{row[k]:.3f}" if row[k] is not None else "-" for k in ("median_ms", "p10_ms", "p90_ms")]
+                print(f"{batch_size:>5} {name:>22} {option:>8} {row['share']:>6.1%} {row['timed']:>6} {cells[0]:>10} "
+                      f"{cells[1]:>7} {cells[2]:>7} {row['longest_run']:>12}")  # fmt: skip
+            print(
+                f"{batch_size:>5} {name:>22}: speed-up {summary['speedup']}x over plain decoding, "
+                f"{summary['choices']} choices, the best option changed {summary['best_changes']} times"
+            )
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""bench/policy_trace.py on the CPU: a short run of the default pair with drafts forced wrong records every choice of
-the adaptive policy and the step times it judged from: each option measured, the shares of the choices summing to 1,
-and a longest run no longer than the choices."""
+"""bench/policy_trace.py on the CPU: a short run of the default pair with drafts forced wrong, two policies A/B'd in
+one process, records every choice of each and the step times it judged from: each option measured, the shares of
+the choices summing to 1, a longest run no longer than the choices, and a speed-up over the plain run."""
 
 import json
 import os
@@ -13,17 +13,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_policy_trace_reports_every_option(tmp_path):
+def test_policy_trace_reports_every_option_of_each_policy(tmp_path):
     out = tmp_path / "trace.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "bench/policy_trace.py", "--batch-sizes", "1", "--num-prompts", "2", "--output-len", "20",
-           "--forced-acceptance", "wrong", "--json", str(out)]  # fmt: skip
+           "--forced-acceptance", "wrong", "--policies", "AdaptivePolicy,ConfirmedSwitchPolicy", "--json",
+           str(out)]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["batch_size"] == 1 and row["forced"] == "wrong"
-    options = row["options"]
-    assert set(options) == {"1x7x8", "1x3x4", "plain"}  # the default shapes and plain decoding, each measured
-    assert sum(o["share"] for o in options.values()) == pytest.approx(1.0, abs=1e-3)
-    assert all(o["timed"] > 0 and 1 <= o["longest_run"] <= row["choices"] for o in options.values())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch_size"], r["policy"], r["forced"]) for r in rows] == [
+        (1, "AdaptivePolicy", "wrong"),
+        (1, "ConfirmedSwitchPolicy", "wrong"),
+    ]
+    for row in rows:
+        options = row["options"]
+        assert set(options) == {"1x7x8", "1x3x4", "plain"}  # the default shapes and plain decoding, each measured
+        assert sum(o["share"] for o in options.values()) == pytest.approx(1.0, abs=1e-3)
+        assert all(o["timed"] > 0 and 1 <= o["longest_run"] <= row["choices"] for o in options.values())
+        assert row["speedup"] > 0
     assert "the best option changed" in run.stdout

@@ -298,9 +298,8 @@ class SpecGraphRunner:
 
     def verify(self, shape: int, num_seqs: int, greedy: bool) -> torch.Tensor:
         """The verify step of the trees `draft` just made (same rows); returns the [N, T_d + 2] result view."""
-        N = num_seqs
-        self.graphs[("verify", self._bucket(N), shape, greedy)].replay()
-        return self.results[shape][:N]
+        self.graphs[("verify", self._bucket(num_seqs), shape, greedy)].replay()
+        return self.results[shape][:num_seqs]
 
 
 def _static_tree(B: int, T: int, device: torch.device) -> DraftTree:

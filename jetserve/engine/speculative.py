@@ -386,9 +386,10 @@ class VerifyLaunch:
     shape: int
     is_all_greedy: bool
     use_graphs: bool
-    # The eager path's result [N, T_d + 2], prefix [N] and slots [N] on the device, what a verify step launched after
-    # it takes its inputs from (None on the graph path, whose verify graph leaves them in its static inputs).
-    result: torch.Tensor | None
+    # The result [N, T_d + 2], prefix [N] and slots [N] on the device: on the eager path what a verify step launched
+    # after it takes its inputs from (the graph path's verify graph leaves those in its static inputs instead, and a
+    # step launched ahead there passes no prefix or slots).
+    result: torch.Tensor
     prefix: torch.Tensor | None
     slots: torch.Tensor | None
     timer: _PhaseTimer
@@ -408,13 +409,14 @@ class VerifyLaunch:
         prefix: torch.Tensor | None,
         slots: torch.Tensor | None,
         timer: _PhaseTimer,
+        is_ahead: bool = False,
     ) -> VerifyLaunch:
         """Start copying `result` to the host without waiting for it."""
         host, copied = start_host_copy(result)
         if copied is None and use_graphs:  # a graph's buffer (graphs run eagerly on the CPU in tests)
             host = host.clone()
-        device = None if use_graphs else (result, prefix, slots)
-        return cls(seqs, slots_host, shape, is_all_greedy, use_graphs, *(device or (None,) * 3), timer, host, copied)
+        return cls(seqs, slots_host, shape, is_all_greedy, use_graphs, result, prefix, slots, timer, host, copied,
+                   is_ahead)  # fmt: skip
 
     @property
     def option(self) -> int:
@@ -777,10 +779,8 @@ class SpecDecoder:
             timer.mark()
             result = self._verify_eager(shape, tree, prefix, slots, prev.is_all_greedy)
         timer.mark()
-        launch = VerifyLaunch.start(prev.seqs, prev.slots_host, shape, prev.is_all_greedy, prev.use_graphs, result,
-                                    prefix, slots, timer)  # fmt: skip
-        launch.is_ahead = True
-        return launch
+        return VerifyLaunch.start(prev.seqs, prev.slots_host, shape, prev.is_all_greedy, prev.use_graphs, result,
+                                  prefix, slots, timer, is_ahead=True)  # fmt: skip
 
     def _draft_eager(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
         tree = self.draft_tree(shape, roots, prefix, slots)

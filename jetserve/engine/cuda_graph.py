@@ -15,6 +15,7 @@ import torch
 
 from jetserve import envs
 from jetserve.engine import graph_split
+from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree
 from jetserve.spec.verifier import next_tree_inputs
 
@@ -52,7 +53,9 @@ class GraphRunner:
 
     A batch of N sequences replays the smallest bucket B ≥ N; rows N..B are padding: slot 0, position 0, token 0, so
     they write only the reserved slot 0 and nothing in the K/V caches (`slot_mapping` −1). Logits land in one static
-    `[B_max, V]` buffer that every graph writes its first B rows of. All graphs share one memory pool.
+    `[B_max, V]` buffer that every graph writes its first B rows of, and their argmax in `greedy` [B_max]: an
+    all-greedy step takes its tokens from there instead of launching the sampler (whose two Triton launches were the
+    largest part of a small model's host work per step, session 45). All graphs share one memory pool.
     """
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
@@ -66,6 +69,7 @@ class GraphRunner:
         self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
         self.state_indices = torch.zeros(B, dtype=torch.int32, device=device)  # [B]
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
+        self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -77,6 +81,7 @@ class GraphRunner:
 
     def _step(self, B: int) -> None:
         self.runner.decode_logits(self.input_ids[:B], self.positions[:B], self.state_indices[:B], self.logits[:B])
+        argmax(self.logits[:B], out=self.greedy[:B])
         spec = self.runner.spec
         if spec is not None:  # the draft's target features, into its catch-up ring (padding rows: slot 0)
             spec.store_features(self.positions[:B], self.state_indices[:B], self.runner.model.aux_hidden_states)
@@ -95,7 +100,8 @@ class GraphRunner:
         self.state_indices[start:end].zero_()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
-        """[N] inputs (N ≤ max bucket) → logits [N, V], a view of the static buffer valid until the next replay."""
+        """[N] inputs (N ≤ max bucket) → logits [N, V], a view of the static buffer valid until the next replay (as
+        is `greedy[:N]`, their argmax)."""
         N = input_ids.shape[0]
         B = self.bucket(N)
         self.input_ids[:N].copy_(input_ids)

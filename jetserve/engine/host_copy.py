@@ -8,9 +8,11 @@ import torch
 def start_host_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Queue `tensor`'s copy to pinned host memory behind the work in flight on its device, and an event after it;
     returns (host copy, event). Reading the copy waits for the event only, so work queued after it (which may
-    overwrite `tensor`) does not delay the read. On the CPU the tensor is host memory already: (tensor, None)."""
+    overwrite `tensor`) does not delay the read. On the CPU the copy is made at once: (copy, None) — a copy still, since
+    `tensor` may be a static buffer that the next step overwrites before this one is read (the decode graph's argmax
+    run eagerly in the CPU tests)."""
     if tensor.device.type != "cuda":
-        return tensor, None
+        return tensor.clone(), None
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     copied = torch.cuda.Event()

@@ -270,7 +270,10 @@ class ModelRunner:
             logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
             if self.spec is not None:  # a decode graph stores them as it replays
                 self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
-        tokens = self.sampler.after(logits, state_indices, positions, slots)  # [N]
+        if is_graphed and self.sampler.is_all_greedy(slots):  # the graph took the argmax: no sampler launch
+            tokens = self.graph_runner.greedy[: len(seqs)]  # [N], valid until the next replay (stream-ordered reads)
+        else:
+            tokens = self.sampler.after(logits, state_indices, positions, slots)  # [N]
         return DecodeLaunch.start(seqs, tokens, positions, state_indices, slots, positions_host), logits
 
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:

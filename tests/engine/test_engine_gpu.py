@@ -132,6 +132,8 @@ def _check_graph_buckets(engine: LLMEngine, rel: float) -> None:
                 t.copy_(saved)
             graph_logits = graphs.run(input_ids, positions, slots).clone()
             _assert_close(graph_logits, eager_logits, rel, f"logits B={B} N={N}")
+            # the argmax an all-greedy step takes instead of the sampler's
+            assert torch.equal(graphs.greedy[:N], graph_logits.argmax(dim=-1)), f"greedy B={B} N={N}"
             for i, (g, e, b) in enumerate(zip(_snapshot(engine), eager_state, before, strict=True)):
                 if i >= 2:  # K/V caches: padded rows write nothing (slot_mapping -1)
                     _assert_close(g, e, rel, f"cache {i} B={B} N={N}")

@@ -229,3 +229,46 @@ def test_a_request_with_logprobs_runs_synchronously(tiny_checkpoint, tiny_model,
         finals.append((summary(final), trace, [(e.token_id, e.logprob, e.top_ids) for e in final["lp"].logprobs]))
     assert finals[1] == finals[0] and not calls
     assert len(finals[0][2]) == 7
+
+
+class _EagerReplay:
+    """A captured decode graph's stand-in on the CPU: `replay` runs its bucket's body on the static buffers."""
+
+    def __init__(self, body: Callable[[], None]) -> None:
+        self.replay = body
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap"])
+def test_decode_graph_argmax_serves_all_greedy_steps(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts, overlap):
+    """The decode graph path run eagerly (static buffers; buckets 1, 2, 4, 8, so padded rows): a step whose rows are
+    all greedy takes its tokens from the argmax the graph computed and calls no sampler; a step with a sampled row
+    draws through the sampler. Either way every request gets what the graph-free engine gives it."""
+    from jetserve.engine.cuda_graph import GraphRunner
+
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=4, ignore_eos=True)
+    mixed = {f"r{i}": (p, greedy(9)) for i, p in enumerate(prompts[:3])} | {"s": (prompts[3], sampled)}
+    only_greedy = {f"r{i}": (p, greedy(6)) for i, p in enumerate(prompts)}
+    for requests, is_mixed in ((mixed, True), (only_greedy, False)):
+        want, _ = drive(make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap), requests)
+        engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
+        graphs = GraphRunner(engine.runner, [1, 2, 4, 8])
+        graphs.graphs = {B: _EagerReplay(lambda B=B: graphs._step(B)) for B in graphs.batch_sizes}
+        engine.runner.graph_runner = graphs
+        counts = {"replays": 0, "draws": 0}
+        run, after = graphs.run, engine.runner.sampler.after
+
+        def counted(key, fn):
+            def call(*args, **kwargs):
+                counts[key] += 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        graphs.run, engine.runner.sampler.after = counted("replays", run), counted("draws", after)
+        got, _ = drive(engine, requests)
+        assert summary(got) == summary(want)
+        assert counts["replays"] >= 5
+        if is_mixed:  # the sampled request's 3 decode steps draw; the greedy steps after it do not
+            assert counts["draws"] == 3 and counts["replays"] > counts["draws"]
+        else:
+            assert counts["draws"] == 0

@@ -456,6 +456,31 @@ def test_argmax_rejects_an_empty_vocabulary(kernels) -> None:
             module.argmax(torch.zeros(2, 0, device=DEVICE))
 
 
+@pytest.mark.parametrize("num_rows, vocab", [(1, 1), (3, 1025), (5, 3001)])
+def test_argmax_into_out(kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int) -> None:
+    """`out=`: both variants write the tokens into a given int64 buffer (poisoned with -1 first) and return it, for
+    a prefix view of a larger buffer (the decode graph's `greedy[:B]`) whose rows past it stay untouched; leading
+    dims kept. A wrong shape, dtype or a non-contiguous out is refused."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(kernels, "ARGMAX_BLOCK_V", 128)
+        monkeypatch.setattr(kernels, "ARGMAX_PROGRAMS_PER_SM", 2)
+    logits = random_logits(num_rows, vocab, seed=5 * vocab + num_rows).to(DEVICE)
+    expected = logits.argmax(dim=-1)
+    for module in (kernels, ref):
+        buffer = torch.full((num_rows + 2,), -1, dtype=torch.int64, device=DEVICE)
+        tokens = module.argmax(logits, out=buffer[:num_rows])
+        assert torch.equal(tokens, expected) and tokens.data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer[:num_rows], expected) and (buffer[num_rows:] == -1).all()
+        lead = torch.full((1, num_rows), -1, dtype=torch.int64, device=DEVICE)
+        assert torch.equal(module.argmax(logits[None], out=lead), expected[None]) and torch.equal(lead[0], expected)
+        bad = [torch.zeros(num_rows + 1, dtype=torch.int64), torch.zeros(num_rows, dtype=torch.int32)]
+        if num_rows > 1:  # one element is contiguous at any stride
+            bad.append(torch.zeros(num_rows, 2, dtype=torch.int64)[:, 0])
+        for out in bad:
+            with pytest.raises(ValueError, match="out must be a contiguous int64"):
+                module.argmax(logits, out=out.to(DEVICE))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_rows", [1, 7, 64, 256])

@@ -9,12 +9,13 @@ from jetserve.ops.backend import use_triton
 from jetserve.ops.sampling import kernels, reference
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V] → [...] int64: the first maximum of each row (a NaN counts above every number), as
-    `torch.argmax(dim=-1)`. See `reference.argmax`; the Triton variant splits each row across the GPU."""
+    `torch.argmax(dim=-1)`; into `out` (contiguous, int64) when given. See `reference.argmax`; the Triton variant
+    splits each row across the GPU."""
     if use_triton(logits):
-        return kernels.argmax(logits)
-    return reference.argmax(logits)
+        return kernels.argmax(logits, out)
+    return reference.argmax(logits, out)
 
 
 def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

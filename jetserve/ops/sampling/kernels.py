@@ -417,17 +417,18 @@ def _argmax_splits(num_rows: int, vocab_size: int, device: torch.device) -> tupl
     return triton.cdiv(vocab_size, split_v), split_v
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`logits.argmax(dim=-1)` for logits [..., V] (fp32/fp16/bf16, rows may be strided) → [...] int64: the first
-    maximum; a NaN counts above every number, as in torch. The row is split so N × splits programs fill the GPU
-    (torch's reduction takes a small batch's row in one block), then one program per row merges the splits."""
-    check_argmax_input(logits)
+    maximum; a NaN counts above every number, as in torch. Into `out` [...] int64 (contiguous) when given. The row
+    is split so N × splits programs fill the GPU (torch's reduction takes a small batch's row in one block), then one
+    program per row merges the splits."""
+    check_argmax_input(logits, out)
     lead, vocab_size = logits.shape[:-1], logits.shape[-1]
     rows = logits.reshape(-1, vocab_size)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     num_rows = rows.shape[0]
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device) if out is None else out.view(num_rows)
     if num_rows == 0:
         return out.view(lead)
     num_splits, split_v = _argmax_splits(num_rows, vocab_size, logits.device)

@@ -135,15 +135,25 @@ def sample(
     return torch.where(is_greedy, logits.argmax(dim=-1), scores.argmax(dim=-1))
 
 
-def check_argmax_input(logits: torch.Tensor) -> None:
+def check_argmax_input(logits: torch.Tensor, out: torch.Tensor | None = None) -> None:
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"argmax: logits must end in a non-empty vocabulary dimension, got {tuple(logits.shape)}")
+    if out is not None and (
+        out.shape != logits.shape[:-1] or out.dtype != torch.int64 or not out.is_contiguous()
+        or out.device != logits.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"argmax: out must be a contiguous int64 tensor of shape {tuple(logits.shape[:-1])} on {logits.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy token: logits [..., V] → [...] int64, the first maximum (a NaN counts above every number)."""
-    check_argmax_input(logits)
-    return logits.argmax(dim=-1)
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The greedy token: logits [..., V] → [...] int64, the first maximum (a NaN counts above every number); written
+    into `out` [...] int64 (contiguous) when given, which is returned."""
+    check_argmax_input(logits, out)
+    tokens = logits.argmax(dim=-1)
+    return tokens if out is None else out.copy_(tokens)
 
 
 def check_top_logprob_inputs(logits: torch.Tensor, offsets: torch.Tensor | None) -> None:

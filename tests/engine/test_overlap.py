@@ -238,33 +238,40 @@ class _EagerReplay:
         self.replay = body
 
 
+def graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap: bool) -> tuple[LLMEngine, dict[str, int]]:
+    """An engine whose decode steps take the graph path with the graphs run eagerly (buckets 1, 2, 4, 8), and the
+    counts of its graph replays and of its sampler's draws after a decode step, kept up to date."""
+    from jetserve.engine.cuda_graph import GraphRunner
+
+    engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
+    graphs = GraphRunner(engine.runner, [1, 2, 4, 8])
+    graphs.graphs = {B: _EagerReplay(lambda B=B: graphs._step(B)) for B in graphs.batch_sizes}
+    engine.runner.graph_runner = graphs
+    counts = {"replays": 0, "draws": 0}
+
+    def counted(key: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    graphs.run = counted("replays", graphs.run)
+    engine.runner.sampler.after = counted("draws", engine.runner.sampler.after)
+    return engine, counts
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap"])
 def test_decode_graph_argmax_serves_all_greedy_steps(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts, overlap):
     """The decode graph path run eagerly (static buffers; buckets 1, 2, 4, 8, so padded rows): a step whose rows are
     all greedy takes its tokens from the argmax the graph computed and calls no sampler; a step with a sampled row
     draws through the sampler. Either way every request gets what the graph-free engine gives it."""
-    from jetserve.engine.cuda_graph import GraphRunner
-
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=4, ignore_eos=True)
     mixed = {f"r{i}": (p, greedy(9)) for i, p in enumerate(prompts[:3])} | {"s": (prompts[3], sampled)}
     only_greedy = {f"r{i}": (p, greedy(6)) for i, p in enumerate(prompts)}
     for requests, is_mixed in ((mixed, True), (only_greedy, False)):
         want, _ = drive(make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap), requests)
-        engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
-        graphs = GraphRunner(engine.runner, [1, 2, 4, 8])
-        graphs.graphs = {B: _EagerReplay(lambda B=B: graphs._step(B)) for B in graphs.batch_sizes}
-        engine.runner.graph_runner = graphs
-        counts = {"replays": 0, "draws": 0}
-        run, after = graphs.run, engine.runner.sampler.after
-
-        def counted(key, fn):
-            def call(*args, **kwargs):
-                counts[key] += 1
-                return fn(*args, **kwargs)
-
-            return call
-
-        graphs.run, engine.runner.sampler.after = counted("replays", run), counted("draws", after)
+        engine, counts = graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
         got, _ = drive(engine, requests)
         assert summary(got) == summary(want)
         assert counts["replays"] >= 5

@@ -4,30 +4,40 @@ throughput against always decoding plainly and against an oracle that knows ever
 seconds-long way to weigh a change to the policy before spending GPU time on it; its step times are a model, not a
 measurement, so there is no roofline.
 
-The model (defaults: the default pair at batch 1 on an H200, session 44): a step launched ahead of the one before
+The model (defaults: the default pair at batch 1 on an H200, session 44; the plain step's host time session 45's,
+after an all-greedy step stopped launching the sampler, `--plain-host-ms` to change it): a step launched ahead of the
+one before
 (the same option as the step before: overlap scheduling) takes max(GPU, host) — plain decoding is host-bound, a
 verify step waits for the GPU — and a step that starts with the pipeline empty takes GPU + host; only steps launched
 ahead are timed for the policy, and a step's time reaches it after the next step was chosen, as in the engine. The
 host alternates between stretches at full speed and stretches `--slow-factor` times slower (its share of every step),
 their lengths drawn around `--fast-steps` and `--slow-steps` (seeded). Each draft shape accepts `tau - 1` drafts a
-step. Every scenario runs once with a steady host and once with the slow stretches, over `--seeds` seeds (means).
+step on average (whole drafts, dithered so that the mean is exact: session 44's rounding had told the policy 3 where
+the model counted 2.5); `--later-tau` changes the τs at the run's midpoint (drafts that start or stop paying: how
+fast the policy follows). As in the engine, a chain-7 step's counts also feed chain 3's estimate (min(a, 3)), so give
+τs that agree with that, or chain 3's estimate leans towards chain 7's. Every scenario runs once with a steady host
+and once with the slow stretches, over `--seeds` seeds (means).
 One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
-       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|module:Class] [--json FILE]
+       [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
+       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|module:Class] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import json
+import math
 import random
 
 from jetserve.engine.speculative import EXPLORE_SAMPLES, MAX_RUN_STEPS, AdaptivePolicy, DraftShape, _Run, batch_bucket
 
-# The default pair on an H200 at batch 1 (session 44): GPU and host ms of a plain step, of a chain-7 and a chain-3
-# verify step.
-PLAIN = (0.12, 0.25)
+# The default pair on an H200 at batch 1: GPU and host ms of a plain step (the host's since session 45: its step's
+# median 0.153 ms, where it was 0.25 while an all-greedy step launched the sampler from Python), of a chain-7 and a
+# chain-3 verify step (session 44).
+PLAIN = (0.12, 0.15)
 SHAPES = ((DraftShape(1, 7, 8), 0.53, 0.30), (DraftShape(1, 3, 4), 0.39, 0.30))
 
 
@@ -78,6 +88,22 @@ class ConfirmedSwitchPolicy(AdaptivePolicy):
         return option
 
 
+class FreshExplorationPolicy(AdaptivePolicy):
+    """A candidate change (session 45; not in the engine, not measured on a GPU): the engine's policy with explorations
+    up to 4,096 steps apart (where it stops at 1,024), and a draft shape's acceptance window restarted when an
+    exploration of it begins, so that the exploration's own drafts judge it. With the longer interval alone a draft
+    that starts to pay is found late: the window's 64 drafts take an exploration's 6 steps at batch 1 as a tenth of
+    their mean. `--policy FreshExplorationPolicy`."""
+
+    max_explore_every = 4096
+
+    def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
+        if best_before is not None and option >= 0:  # an exploration of a draft shape
+            self.recent_accepted[option] = collections.deque()
+            self.accepted_totals[option] = [0, 0]
+        return super()._start_run(bucket, option, step, until, best_before)
+
+
 def host_factors(steps: int, fast: int, slow: int, factor: float, seed: int) -> list[float]:
     """The host's slowness at each step: stretches at 1.0 and at `factor`, lengths 0.5-1.5x `fast` / `slow`."""
     rng = random.Random(seed)
@@ -90,36 +116,71 @@ def host_factors(steps: int, fast: int, slow: int, factor: float, seed: int) -> 
     return out[:steps]
 
 
-def step_ms(option: int, host: float, ahead: bool) -> float:
-    gpu, host_ms = PLAIN if option < 0 else SHAPES[option][1:]
+def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = PLAIN) -> float:
+    gpu, host_ms = plain if option < 0 else SHAPES[option][1:]
     return max(gpu, host_ms * host) if ahead else gpu + host_ms * host
 
 
-def simulate(taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1) -> dict:
+def simulate(
+    taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
+    plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
+    seed: int = 0,
+) -> dict:  # fmt: skip
     """One run: the policy chooses every step of the host's `factors`; returns the speed-up over plain decoding, the
-    oracle's, and each option's share of the steps."""
+    oracle's, and each option's share of the steps. `plain`: (GPU, host) ms of a plain step; `later_taus`: the
+    shapes' τ from the run's midpoint on (drafts that start or stop paying), `taus` before it.
+
+    With `accept_rates` ([before, after the midpoint]) acceptance is drawn instead: each draft depth is accepted with
+    that probability if the one above it was (a chain draft's acceptance falls geometrically with depth, as measured),
+    one draw a step shared by the shapes, so a chain of 3 accepts min(a, 3) where the chain of 7 accepts a — as the
+    policy assumes — and a step yields its own draw's tokens. The oracle then knows each option's mean τ."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
+    depths = [shape.max_depth for shape, _, _ in SHAPES]
+    rng = random.Random(seed)
+
+    def mean_taus(rate: float) -> list[float]:  # 1 + E[min(a, D)] = 1 + rate + rate² + ... + rate^D
+        return [1.0 + sum(rate**d for d in range(1, depth + 1)) for depth in depths]
+
+    rates = [1.0, *(taus if accept_rates is None else mean_taus(accept_rates[0]))]  # mean tokens a step, plain first
 
     def tau(option: int) -> float:
-        return 1.0 if option < 0 else taus[option]
+        return rates[option + 1]
 
     chosen = [policy.choose(batch)]
     seconds = tokens = oracle_seconds = plain_seconds = 0.0
+    drafted = [0.0] * len(SHAPES)  # per option: accepted drafts owed so far (τ - 1 a step), of which...
+    handed = [0] * len(SHAPES)  # ... whole ones reported to the policy
     for k, host in enumerate(factors):
+        if k == len(factors) // 2:
+            if accept_rates is not None:
+                rates[1:] = mean_taus(accept_rates[1])
+            elif later_taus is not None:
+                rates[1:] = later_taus
         chosen.append(policy.choose(batch))  # the next step's choice comes before this step's results
         option = chosen[k]
+        step_tokens = tau(option)
         if option >= 0:
-            policy.record_acceptance(option, [round(tau(option) - 1)] * batch)
+            if accept_rates is None:
+                drafted[option] += tau(option) - 1
+                accepted = math.floor(drafted[option] + 1e-9) - handed[option]
+                handed[option] += accepted
+            else:
+                rate = accept_rates[k >= len(factors) // 2]
+                accepted = 0
+                while accepted < depths[option] and rng.random() < rate:
+                    accepted += 1
+                step_tokens = 1.0 + accepted
+            policy.record_acceptance(option, [accepted] * batch)
         ahead = k > 0 and chosen[k - 1] == option
-        ms = step_ms(option, host, ahead)
+        ms = step_ms(option, host, ahead, plain)
         if ahead:
             policy.record_step(option, batch, ms / 1e3)
         seconds += ms
-        tokens += tau(option)
-        plain_seconds += step_ms(-1, host, True) * tau(option)  # plain decoding's time for the same tokens
-        best = min(options, key=lambda o: step_ms(o, host, True) / tau(o))
-        oracle_seconds += step_ms(best, host, True) / tau(best) * tau(option)
+        tokens += step_tokens
+        plain_seconds += step_ms(-1, host, True, plain) * step_tokens  # plain decoding's time for the same tokens
+        best = min(options, key=lambda o: step_ms(o, host, True, plain) / tau(o))
+        oracle_seconds += step_ms(best, host, True, plain) / tau(best) * step_tokens
     shares = {("plain" if o < 0 else f"1x{SHAPES[o][0].num_steps}"): chosen[:-1].count(o) / len(factors)
               for o in options}  # fmt: skip
     return {
@@ -133,7 +194,11 @@ def load_policy(spec: str) -> type:
     """`module:Class` → the class (an AdaptivePolicy or one with its interface); a bare name is one of this script's
     (`AdaptivePolicy`, `ConfirmedSwitchPolicy`)."""
     if ":" not in spec:
-        return {"AdaptivePolicy": AdaptivePolicy, "ConfirmedSwitchPolicy": ConfirmedSwitchPolicy}[spec]
+        return {
+            "AdaptivePolicy": AdaptivePolicy,
+            "ConfirmedSwitchPolicy": ConfirmedSwitchPolicy,
+            "FreshExplorationPolicy": FreshExplorationPolicy,
+        }[spec]
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -146,24 +211,40 @@ def main() -> None:
     p.add_argument("--slow-steps", type=int, default=20)
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--plain-host-ms", type=float, default=PLAIN[1], help="host ms of a plain step (GPU: 0.12)")
+    p.add_argument("--later-tau", help="chain 7's and chain 3's τ from the run's midpoint on (default: --tau's)")
+    p.add_argument("--accept-rate", help="R or R,R_LATER: draw acceptance, each depth accepted with probability R "
+                   "if the one above was (instead of --tau; R_LATER from the run's midpoint on)")  # fmt: skip
     p.add_argument("--policy", default="AdaptivePolicy",
-                   help="AdaptivePolicy (the engine's), ConfirmedSwitchPolicy, or module:Class")  # fmt: skip
+                   help="AdaptivePolicy (the engine's), ConfirmedSwitchPolicy, FreshExplorationPolicy, or "
+                   "module:Class")  # fmt: skip
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]
-    if len(taus) != len(SHAPES):
-        raise SystemExit(f"--tau: give {len(SHAPES)} values (chain 7, chain 3)")
+    later = [float(t) for t in args.later_tau.split(",")] if args.later_tau else None
+    accept_rates = None
+    if args.accept_rate:
+        accept_rates = [float(r) for r in args.accept_rate.split(",")]
+        accept_rates = (accept_rates * 2)[:2]
+    if len(taus) != len(SHAPES) or (later is not None and len(later) != len(SHAPES)):
+        raise SystemExit(f"--tau, --later-tau: give {len(SHAPES)} values (chain 7, chain 3)")
     policy_cls = load_policy(args.policy)
     print(f"{'slow x':>7} {'speed-up':>9} {'oracle':>7} {'plain':>6} {'1x7':>6} {'1x3':>6}")
     for factor in (1.0, args.slow_factor):
-        runs = [simulate(taus, host_factors(args.steps, args.fast_steps, args.slow_steps, factor, seed), policy_cls)
-                for seed in range(args.seeds)]  # fmt: skip
+        factors = [host_factors(args.steps, args.fast_steps, args.slow_steps, factor, seed)
+                   for seed in range(args.seeds)]  # fmt: skip
+        plain = (PLAIN[0], args.plain_host_ms)
+        runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed)
+                for seed, f in enumerate(factors)]  # fmt: skip
         mean = {key: sum(r[key] for r in runs) / len(runs) for key in ("speedup", "oracle_speedup")}
         shares = {name: sum(r["shares"][name] for r in runs) / len(runs) for name in runs[0]["shares"]}
         print(f"{factor:>7.2f} {mean['speedup']:>8.3f}x {mean['oracle_speedup']:>6.3f}x {shares['plain']:>6.1%} "
               f"{shares['1x7']:>6.1%} {shares['1x3']:>6.1%}")  # fmt: skip
         if args.json:
-            row = {"policy": args.policy, "tau": taus, "slow_factor": factor, "fast_steps": args.fast_steps,
+            row = {"policy": args.policy, "tau": taus, "later_tau": later, "accept_rate": accept_rates,
+                   "plain_host_ms": args.plain_host_ms,
+                   "slow_factor": factor,
+                   "fast_steps": args.fast_steps,
                    "slow_steps": args.slow_steps, "steps": args.steps, "seeds": args.seeds, **mean,
                    "shares": shares}  # fmt: skip
             with open(args.json, "a") as f:

@@ -137,6 +137,8 @@ class AdaptivePolicy:
     room allows).
     """
 
+    max_explore_every = MAX_EXPLORE_EVERY  # the longest exploration interval (a class attribute: variants set theirs)
+
     def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
         self.shapes = shapes
         self.adaptive = adaptive
@@ -195,7 +197,7 @@ class AdaptivePolicy:
         best = self.best(bucket)
         if run is not None and run.best_before is not None:  # an exploration has run: judge it
             interval = self.explore_every.get(bucket, EXPLORE_EVERY)
-            interval = min(2 * interval, MAX_EXPLORE_EVERY) if best == run.best_before else EXPLORE_EVERY
+            interval = min(2 * interval, self.max_explore_every) if best == run.best_before else EXPLORE_EVERY
             self.explore_every[bucket] = interval
             self.next_explore[bucket] = run.started + max(interval, self.budget_steps(bucket, best))
         elif bucket not in self.next_explore:  # every option measured for the first time (the first exploration)
@@ -233,7 +235,7 @@ class AdaptivePolicy:
         costs = [seconds[(c, bucket)] - self.tokens_per_step(c) / rate
                  for c in self.options if c != best and (c, bucket) in seconds]  # fmt: skip
         cost = (EXPLORE_SAMPLES + 1) * max(costs, default=0.0)
-        return min(MAX_EXPLORE_EVERY, math.ceil(max(cost, 0.0) / (EXPLORE_BUDGET * t_best)))
+        return min(self.max_explore_every, math.ceil(max(cost, 0.0) / (EXPLORE_BUDGET * t_best)))
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
         """Time a steady step of `option`; its median is taken when the options are next weighed (`step_seconds`)."""

@@ -13,6 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+SESSION_44_HOST = ("--plain-host-ms", "0.25")  # the plain step's host time the first tests were written against
+
+
 def simulate(tmp_path, *args: str) -> list[dict]:
     out = tmp_path / f"sim{len(list(tmp_path.iterdir()))}.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -23,10 +26,10 @@ def simulate(tmp_path, *args: str) -> list[dict]:
 
 
 def test_policy_sim_steady_host(tmp_path):
-    wrong, wrong_noisy = simulate(tmp_path, "--tau", "1,1")
+    wrong, wrong_noisy = simulate(tmp_path, "--tau", "1,1", *SESSION_44_HOST)
     assert wrong["slow_factor"] == 1.0 and wrong_noisy["slow_factor"] == 5.0
     assert 0.98 <= wrong["speedup"] <= 1.0 and wrong["shares"]["plain"] > 0.97 and wrong["oracle_speedup"] == 1.0
-    paying, _ = simulate(tmp_path, "--tau", "3,2.5")
+    paying, _ = simulate(tmp_path, "--tau", "3,2.5", *SESSION_44_HOST)
     assert paying["speedup"] >= 0.98 * paying["oracle_speedup"] and paying["shares"]["plain"] < 0.02
     for row in (wrong, wrong_noisy, paying):
         assert sum(row["shares"].values()) == pytest.approx(1.0, abs=1e-3)
@@ -60,8 +63,23 @@ def test_confirmed_switches_hold_through_host_stalls(tmp_path):
     a few steps apart before it is taken): the same as the engine's policy with a steady host, and closer to the
     oracle when the host stalls (5x slower for ~20 steps every ~600), with wrong drafts and with drafts that pay."""
     for tau in ("1,1", "3,2.5"):
-        engine_steady, engine_stalls = simulate(tmp_path, "--tau", tau)
-        steady, stalls = simulate(tmp_path, "--tau", tau, "--policy", "ConfirmedSwitchPolicy")
+        engine_steady, engine_stalls = simulate(tmp_path, "--tau", tau, *SESSION_44_HOST)
+        steady, stalls = simulate(tmp_path, "--tau", tau, *SESSION_44_HOST, "--policy", "ConfirmedSwitchPolicy")
         assert steady["speedup"] == pytest.approx(engine_steady["speedup"], abs=0.005)
         assert stalls["speedup"] >= engine_stalls["speedup"] + 0.05
         assert stalls["speedup"] >= 0.95 * stalls["oracle_speedup"]
+
+
+def test_drawn_acceptance_and_the_fresh_exploration_candidate(tmp_path):
+    """`--accept-rate`: acceptance drawn depth by depth (one draw a step, a chain of 3 taking min(a, 3)). Drafts that
+    never pay (rate 0) leave plain decoding's speed within the exploration budget; drafts that start to pay halfway
+    (0 → 0.9) beat plain decoding. The `FreshExplorationPolicy` candidate (explorations up to 4,096 steps apart, an
+    explored shape's acceptance window restarted) explores wrong drafts less and finds the paying ones sooner."""
+    wrong, _ = simulate(tmp_path, "--accept-rate", "0")
+    assert 0.97 <= wrong["speedup"] <= 1.0 and wrong["oracle_speedup"] == 1.0 and wrong["accept_rate"] == [0.0, 0.0]
+    turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9")
+    assert turn["oracle_speedup"] > 1.2 and 1.0 < turn["speedup"] <= turn["oracle_speedup"] + 1e-9
+    fresh_wrong, _ = simulate(tmp_path, "--accept-rate", "0", "--policy", "FreshExplorationPolicy")
+    fresh_turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9", "--policy", "FreshExplorationPolicy")
+    assert fresh_wrong["shares"]["plain"] > wrong["shares"]["plain"] and fresh_wrong["speedup"] >= wrong["speedup"]
+    assert fresh_turn["speedup"] > turn["speedup"]

@@ -1114,3 +1114,24 @@ def test_a_choice_made_ahead_is_dropped_by_a_prefill_step(tiny_checkpoint, tiny_
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.is_idle_and_clean()
+
+
+def test_a_policy_variant_sets_its_longest_exploration_interval():
+    """`max_explore_every` (a class attribute, for variants such as bench/policy_sim.py's candidates) caps the
+    doubling: a tree that never pays is explored every 256 steps at most once the interval reaches it."""
+
+    class ShortCap(AdaptivePolicy):
+        max_explore_every = 256
+
+    policy = ShortCap([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    starts, previous = [], None  # the steps that begin a run of the tree
+    for step in range(3000):
+        option = policy.choose(1)
+        if option == 0:
+            policy.record_acceptance(0, [0])
+            if previous != 0:
+                starts.append(step)
+        policy.record_step(option, 1, {0: 1.1, -1: 1.0}[option])
+        previous = option
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert policy.explore_every[1] == 256 and gaps[-3:] == [256] * 3

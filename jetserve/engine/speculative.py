@@ -129,9 +129,10 @@ class AdaptivePolicy:
     option runs for several steps at a time — MIN_SAMPLES timed steps when a bucket first measures it, then every
     `EXPLORE_EVERY` steps of the bucket the least recently timed option runs again for EXPLORE_SAMPLES timed steps,
     so the estimates follow changes in acceptance and load. While explorations keep confirming the best option the
-    interval doubles (to `MAX_EXPLORE_EVERY`), so a draft that never pays costs ever fewer exploration steps, and it
-    snaps back to `EXPLORE_EVERY` when an exploration changes the choice. An interval is never shorter than keeps
-    the costliest exploration within `EXPLORE_BUDGET` of the best option's time (up to `MAX_EXPLORE_EVERY`).
+    interval doubles (to `max_explore_every`: MAX_EXPLORE_EVERY, unless a variant sets its own), so a draft that
+    never pays costs ever fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes
+    the choice. An interval is never shorter than keeps the costliest exploration within `EXPLORE_BUDGET` of the
+    best option's time (up to `max_explore_every`).
     Plain decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never
     makes decoding slower. Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as
     room allows).

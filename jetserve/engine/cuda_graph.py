@@ -72,6 +72,10 @@ class GraphRunner:
         self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # What the static inputs hold since the last `run`: its rows' slots (the very tensor it was given) and
+        # positions, padding zeroed past them — so the step after, for the same rows, only needs its tokens and the
+        # positions advanced in place (`run_next`) — with that step's views of the buffers and its graph.
+        self._held: _HeldInputs | None = None
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch_size
@@ -90,6 +94,7 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first (so smaller graphs reuse the pool's blocks), on padding inputs."""
         self._pad(0)
+        self._held = None
         steps = [(B, lambda B=B: self._step(B)) for B in reversed(self.batch_sizes)]
         self.pool = _capture_all(steps, self.graphs, self.pool)
         torch.cuda.synchronize()
@@ -104,13 +109,42 @@ class GraphRunner:
         is `greedy[:N]`, their argmax)."""
         N = input_ids.shape[0]
         B = self.bucket(N)
-        self.input_ids[:N].copy_(input_ids)
-        self.positions[:N].copy_(positions)
+        held = _HeldInputs(state_indices, self.input_ids[:N], self.positions[:N], self.logits[:N], self.graphs[B])
+        held.input_ids.copy_(input_ids)
+        held.positions.copy_(positions)
         self.state_indices[:N].copy_(state_indices)
         if B > N:
             self._pad(N, B)
-        self.graphs[B].replay()
-        return self.logits[:N]
+        self._held = held
+        held.graph.replay()
+        return held.logits
+
+    def holds(self, state_indices: torch.Tensor) -> bool:
+        """Whether the static inputs hold the rows of the last `run` for exactly these slots (the same tensor)."""
+        return self._held is not None and self._held.state_indices is state_indices
+
+    def run_next(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step after the last replay, for the same rows (`holds`): their tokens `input_ids` [N] (the last
+        step's), each position one further — advanced in place, padding rows left at 0 — and the same slots: one copy
+        and one add where `run` makes three copies and, in a padded bucket, three fills. Returns (logits [N, V],
+        positions [N]): views of the static buffers, valid until the next replay."""
+        held = self._held
+        held.input_ids.copy_(input_ids)  # a shape other than the held rows' fails here
+        held.positions.add_(1)
+        held.graph.replay()
+        return held.logits, held.positions
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HeldInputs:
+    """The rows a decode graph's static inputs hold after `GraphRunner.run`: their slots (the tensor given) and the
+    views and graph of that step, for `run_next`."""
+
+    state_indices: torch.Tensor  # [N]
+    input_ids: torch.Tensor  # [N] view of the static token ids
+    positions: torch.Tensor  # [N] view of the static positions
+    logits: torch.Tensor  # [N, V] view of the static logits
+    graph: object  # the bucket's graph
 
 
 def _capture_all(steps: list[tuple[Hashable, Callable[[], None]]], graphs: dict, pool: object) -> object:

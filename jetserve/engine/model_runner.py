@@ -57,7 +57,7 @@ class DecodeLaunch:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [N] int64: sampled
-    positions: torch.Tensor  # [N] int64: the position each sequence cached
+    positions: torch.Tensor  # [N] int64: the position each sequence cached (may be the decode graph's static input)
     state_indices: torch.Tensor  # [N]
     slots_host: np.ndarray  # [N] int64: `state_indices` on the host
     positions_host: np.ndarray  # [N] int64: `positions` on the host
@@ -207,6 +207,11 @@ class ModelRunner:
         assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
         self._claim_slots(seqs, slots)  # writes the new pages into the block table
         self.sampler.sync()
+        graphs = self.graph_runner
+        if len(keep) == len(prev.seqs) and graphs is not None and graphs.holds(prev.state_indices):
+            # The decode graph's inputs hold `prev`'s rows: only the tokens move, the positions advance in place.
+            logits, positions_d = graphs.run_next(prev.tokens)  # [N, V], [N]
+            return self._sampled(seqs, slots, positions, logits, positions_d, prev.state_indices, is_graphed=True)
         if len(keep) == len(prev.seqs):
             input_ids, positions_d, state_indices = prev.tokens, prev.positions + 1, prev.state_indices
         else:
@@ -270,11 +275,25 @@ class ModelRunner:
             logits = self.decode_logits(input_ids, positions, state_indices)  # [N, V]
             if self.spec is not None:  # a decode graph stores them as it replays
                 self.spec.store_features(positions, state_indices, self.model.aux_hidden_states)
+        return self._sampled(seqs, slots, positions_host, logits, positions, state_indices, is_graphed), logits
+
+    def _sampled(
+        self,
+        seqs: list[Sequence],
+        slots: np.ndarray,  # [N] on the host
+        positions_host: np.ndarray,  # [N] on the host
+        logits: torch.Tensor,  # [N, V]
+        positions: torch.Tensor,  # [N] int64: the position each sequence caches
+        state_indices: torch.Tensor,  # [N]
+        is_graphed: bool,
+    ) -> DecodeLaunch:
+        """The decode step's tokens — the graph's argmax when every row is greedy (no sampler launch), else the
+        sampler's draw — and their copy to the host, started."""
         if is_graphed and self.sampler.is_all_greedy(slots):  # the graph took the argmax: no sampler launch
             tokens = self.graph_runner.greedy[: len(seqs)]  # [N], valid until the next replay (stream-ordered reads)
         else:
             tokens = self.sampler.after(logits, state_indices, positions, slots)  # [N]
-        return DecodeLaunch.start(seqs, tokens, positions, state_indices, slots, positions_host), logits
+        return DecodeLaunch.start(seqs, tokens, positions, state_indices, slots, positions_host)
 
     def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by

@@ -240,14 +240,15 @@ class _EagerReplay:
 
 def graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap: bool) -> tuple[LLMEngine, dict[str, int]]:
     """An engine whose decode steps take the graph path with the graphs run eagerly (buckets 1, 2, 4, 8), and the
-    counts of its graph replays and of its sampler's draws after a decode step, kept up to date."""
+    counts of its graph replays, of those that only advanced the last one's inputs (`run_next`), and of its
+    sampler's draws after a decode step, kept up to date."""
     from jetserve.engine.cuda_graph import GraphRunner
 
     engine = make_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap)
     graphs = GraphRunner(engine.runner, [1, 2, 4, 8])
     graphs.graphs = {B: _EagerReplay(lambda B=B: graphs._step(B)) for B in graphs.batch_sizes}
     engine.runner.graph_runner = graphs
-    counts = {"replays": 0, "draws": 0}
+    counts = {"replays": 0, "next": 0, "draws": 0}
 
     def counted(key: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):
@@ -257,6 +258,7 @@ def graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap: bool) -
         return call
 
     graphs.run = counted("replays", graphs.run)
+    graphs.run_next = counted("replays", counted("next", graphs.run_next))
     engine.runner.sampler.after = counted("draws", engine.runner.sampler.after)
     return engine, counts
 
@@ -265,7 +267,9 @@ def graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap: bool) -
 def test_decode_graph_argmax_serves_all_greedy_steps(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts, overlap):
     """The decode graph path run eagerly (static buffers; buckets 1, 2, 4, 8, so padded rows): a step whose rows are
     all greedy takes its tokens from the argmax the graph computed and calls no sampler; a step with a sampled row
-    draws through the sampler. Either way every request gets what the graph-free engine gives it."""
+    draws through the sampler. Launched ahead for the same rows, a step only advances the graph's inputs
+    (`GraphRunner.run_next`; padded rows stay padding). Either way every request gets what the graph-free engine
+    gives it."""
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=4, ignore_eos=True)
     mixed = {f"r{i}": (p, greedy(9)) for i, p in enumerate(prompts[:3])} | {"s": (prompts[3], sampled)}
     only_greedy = {f"r{i}": (p, greedy(6)) for i, p in enumerate(prompts)}
@@ -275,6 +279,7 @@ def test_decode_graph_argmax_serves_all_greedy_steps(tiny_checkpoint, tiny_model
         got, _ = drive(engine, requests)
         assert summary(got) == summary(want)
         assert counts["replays"] >= 5
+        assert (counts["next"] > 0) == overlap  # only a step launched ahead reuses the inputs
         if is_mixed:  # the sampled request's 3 decode steps draw; the greedy steps after it do not
             assert counts["draws"] == 3 and counts["replays"] > counts["draws"]
         else:

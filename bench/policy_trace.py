@@ -4,8 +4,8 @@ time it recorded, summed up per option: the share of choices, the timed steps (c
 percentiles), the longest run of choices, and how often the best option (by the policy's own estimate after each
 timed step) changed; beside it, the speed-up over a plain run of the same requests. `--policies` A/Bs policies in
 one process: each round runs plain decoding, then each policy once, a fresh instance in place of the engine's
-(`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy` or `FreshExplorationPolicy`, bench/policy_sim.py's
-candidates; or module:Class).
+(`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy`, `FreshExplorationPolicy` or `BoundedExplorationPolicy`,
+bench/policy_sim.py's candidates; or module:Class).
 `--forced-acceptance wrong` makes every draft wrong (τ = 1), where a verify step should only be chosen to explore;
 `right` makes every draft right. Runs on a GPU (bf16, CUDA graphs, overlap scheduling: what `jetserve bench offline`
 measures) or, slowly, on the CPU (fp32). There is no roofline: the figures are the policy's choices and the
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--policies", default="AdaptivePolicy", help="comma-separated: AdaptivePolicy, "
-                   "ConfirmedSwitchPolicy, FreshExplorationPolicy, module:Class")  # fmt: skip
+                   "ConfirmedSwitchPolicy, FreshExplorationPolicy, BoundedExplorationPolicy, module:Class")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", help="append one JSON line per batch size and policy to this file")
     args = p.parse_args()

@@ -83,3 +83,15 @@ def test_drawn_acceptance_and_the_fresh_exploration_candidate(tmp_path):
     fresh_turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9", "--policy", "FreshExplorationPolicy")
     assert fresh_wrong["shares"]["plain"] > wrong["shares"]["plain"] and fresh_wrong["speedup"] >= wrong["speedup"]
     assert fresh_turn["speedup"] > turn["speedup"]
+
+
+def test_bounded_exploration_skips_a_chain_that_cannot_win(tmp_path):
+    """The `BoundedExplorationPolicy` candidate: with every draft wrong the chain of 3 measures no acceptance, which
+    bounds the chain of 7 at one token a step — never worth exploring after its first measurement — so the chain of 7
+    runs only then, and less than under the engine's policy, which explores both in turn."""
+    engine_wrong, _ = simulate(tmp_path, "--accept-rate", "0")
+    bounded_wrong, _ = simulate(tmp_path, "--accept-rate", "0", "--policy", "BoundedExplorationPolicy")
+    assert bounded_wrong["shares"]["1x7"] < engine_wrong["shares"]["1x7"]
+    assert bounded_wrong["speedup"] >= engine_wrong["speedup"]
+    paying, _ = simulate(tmp_path, "--accept-rate", "0.9", "--policy", "BoundedExplorationPolicy")
+    assert paying["shares"]["1x7"] > 0.9  # drafts that pay leave nothing bounded away

@@ -2,10 +2,11 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,verify,curve,linear,tiles,long,tp,mixer (default:
-#   the first four); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts forced wrong) and its
-#   profile; curve its forced speed-up curve (chain 6, the first K drafts accepted, K = 0..6: tau = K + 1);
-#   overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,policy,verify,curve,linear,tiles,long,tp,mixer
+#   (default: the first four); policy A/Bs the adaptive policy against bench/policy_sim.py's candidates on the
+#   default pair (drafts forced wrong, then its own); verify is issue 5's 2B verify-step benchmark (chain 6 and tree
+#   8, drafts forced wrong) and its profile; curve its forced speed-up curve (chain 6, the first K drafts accepted,
+#   K = 0..6: tau = K + 1); overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
 #   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
 #   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
 #   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
@@ -82,6 +83,12 @@ case ",$STAGES," in *,spec,*)
   for policy in "" --no-spec-adaptive; do  # the trained pair on MT-bench: τ and speed-up, adaptive and always-verify
     run "spec_default${policy:+_full}" python3 -m jetserve.cli bench offline --model default --draft default \
       --dataset mtbench --dtype bfloat16 --batch-sizes 1,8,32 --output-len 128 --json $policy
+  done ;; esac
+case ",$STAGES," in *,policy,*)  # "never below 1.0x": the engine's policy and the candidates, in one process each
+  for forced in wrong own; do
+    run "policy_trace_$forced" python3 bench/policy_trace.py --batch-sizes 1,8 --num-prompts 24 --rounds 2 \
+      --policies AdaptivePolicy,FreshExplorationPolicy,BoundedExplorationPolicy \
+      $([ "$forced" = wrong ] && echo --forced-acceptance wrong) --json "$OUT_DIR/policy_trace.jsonl"
   done ;; esac
 case ",$STAGES," in *,verify,*)  # issue 5's 2B verify step: chain 6 and tree 8, every draft rejected (the overhead)
   for shape in "1 6 7 chain6" "2 3 8 tree8"; do

@@ -3,13 +3,13 @@
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
 #   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,policy,verify,curve,linear,tiles,long,tp,mixer
-#   (default: the first four); policy A/Bs the adaptive policy against bench/policy_sim.py's candidates on the
-#   default pair (drafts forced wrong, then its own); verify is issue 5's 2B verify-step benchmark (chain 6 and tree
-#   8, drafts forced wrong) and its profile; curve its forced speed-up curve (chain 6, the first K drafts accepted,
-#   K = 0..6: tau = K + 1); overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
-#   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room
-#   for the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's
-#   GPU test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
+#   (default: the first four); policy A/Bs the adaptive policy against bench/policy_sim.py's candidates on the default
+#   pair (drafts forced wrong, then its own); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts
+#   forced wrong) and its profile; curve its forced speed-up curve (chain 6, the first K drafts accepted, K = 0..6: tau
+#   = K + 1); overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
+#   NVlabs-paper point: 2B at 64K context, batch 128 (the preset with max_position_embeddings raised to 131072, room for
+#   the 64K prompt plus its output and catch-up steps); mixer decides `JETSERVE_FUSED_MIXER`: the fused kernel's GPU
+#   test, its kernel time against the two kernels it replaces, and batch-1 decode with it off and on
 # First, here: bash scripts/fetch_gpu_wheels.sh (fills the ignored .whl/), then carry ".whl" in the device call.
 # The compiled Triton kernels come back as OUT_DIR/triton-cache.tar.xz: put it in the ignored .gpu-cache/ and carry
 # ".gpu-cache" too, and the next call (a fresh machine) starts without recompiling (scripts/triton_cache.sh).

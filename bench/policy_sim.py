@@ -113,11 +113,10 @@ class BoundedExplorationPolicy(AdaptivePolicy):
     time that bound below the best option's rate means exploring it can only cost. With every draft wrong m_p = 0, so
     only the cheaper chain is explored. `--policy BoundedExplorationPolicy`."""
 
-    def _exploration_option(self, bucket: int, best: int) -> int:
+    def _explorable(self, bucket: int, best: int) -> list[int]:
         seconds = self.step_seconds
         rate = self.tokens_per_step(best) / seconds[(best, bucket)] if (best, bucket) in seconds else 0.0
-        eligible = [c for c in self.options if c < 0 or self._bound_rate(c, bucket) >= rate]
-        return min(eligible, key=lambda c: self.last_used.get((c, bucket), -1))
+        return [c for c in self.options if c < 0 or self._bound_rate(c, bucket) >= rate]
 
     def _bound_rate(self, option: int, bucket: int) -> float:
         """Tokens a second that `option` could reach at most, from the acceptance of a shorter chain (inf: no bound)."""

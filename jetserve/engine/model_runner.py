@@ -207,12 +207,12 @@ class ModelRunner:
         assert keep and len(keep) == len(seqs) and keep[-1] < len(prev.seqs)
         self._claim_slots(seqs, slots)  # writes the new pages into the block table
         self.sampler.sync()
-        graphs = self.graph_runner
-        if len(keep) == len(prev.seqs) and graphs is not None and graphs.holds(prev.state_indices):
-            # The decode graph's inputs hold `prev`'s rows: only the tokens move, the positions advance in place.
-            logits, positions_d = graphs.run_next(prev.tokens)  # [N, V], [N]
-            return self._sampled(seqs, slots, positions, logits, positions_d, prev.state_indices, is_graphed=True)
         if len(keep) == len(prev.seqs):
+            graphs = self.graph_runner
+            if graphs is not None and graphs.holds(prev.state_indices):
+                # The decode graph's inputs hold `prev`'s rows: only the tokens move, the positions advance in place.
+                logits, positions_d = graphs.run_next(prev.tokens)  # [N, V], [N]
+                return self._sampled(seqs, slots, positions, logits, positions_d, prev.state_indices, is_graphed=True)
             input_ids, positions_d, state_indices = prev.tokens, prev.positions + 1, prev.state_indices
         else:
             (rows,) = self.upload(np.array([keep], dtype=np.int64))  # [N]

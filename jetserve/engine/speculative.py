@@ -204,7 +204,7 @@ class AdaptivePolicy:
         elif bucket not in self.next_explore:  # every option measured for the first time (the first exploration)
             self.next_explore[bucket] = step + max(EXPLORE_EVERY, self.budget_steps(bucket, best))
         if step >= self.next_explore[bucket]:
-            option = self._exploration_option(bucket, best)
+            option = min(self._explorable(bucket, best), key=lambda c: self.last_used.get((c, bucket), -1))
             self.next_explore[bucket] = step + self.explore_every.get(bucket, EXPLORE_EVERY)
             until = self.num_timed[(option, bucket)] + EXPLORE_SAMPLES
             return self._start_run(bucket, option, step, until, best_before=best)
@@ -212,9 +212,10 @@ class AdaptivePolicy:
             self.plain_until[bucket] = min(step + 1 + SETTLED_STEPS, self.next_explore[bucket])
         return best
 
-    def _exploration_option(self, bucket: int, best: int) -> int:
-        """The option an exploration of `bucket` runs: the least recently timed (a variant may narrow the choice)."""
-        return min(self.options, key=lambda c: self.last_used.get((c, bucket), -1))
+    def _explorable(self, bucket: int, best: int) -> list[int]:
+        """The options an exploration of `bucket` picks from (the least recently timed of them): every option; a
+        variant may narrow the choice."""
+        return self.options
 
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
         self.runs[bucket] = _Run(option, until, step, best_before)

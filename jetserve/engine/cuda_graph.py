@@ -16,7 +16,7 @@ import torch
 from jetserve import envs
 from jetserve.engine import graph_split
 from jetserve.ops.sampling import argmax
-from jetserve.spec.tree import DraftTree
+from jetserve.spec.tree import DraftTree, chain_buffers
 from jetserve.spec.verifier import next_tree_inputs
 
 if TYPE_CHECKING:
@@ -213,7 +213,8 @@ class SpecGraphRunner:
         self.results: list[torch.Tensor] = []
         for shape in spec.shapes:
             T = shape.num_draft_tokens
-            self.trees.append(_static_tree(B, T, device))
+            # A chain is drafted into its static tree in place (`chain_buffers`); a tree is copied in.
+            self.trees.append(chain_buffers(B, T, device) if shape.topk == 1 else _static_tree(B, T, device))
             self.results.append(torch.zeros(B, T + 2, dtype=torch.int64, device=device))  # [B, T_d + 2]
         # The catch-up (`SpecDecoder.flush_rows`): rows of `spec.ring` tokens, their start, valid count and slot.
         self.flush_ids = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]
@@ -241,10 +242,9 @@ class SpecGraphRunner:
     # ---- the captured bodies ----
 
     def _draft(self, B: int, shape: int) -> None:
-        tree = self.spec.draft_tree(shape, self.tokens[:B], self.positions[:B], self.slots[:B])
-        static = self.trees[shape]
-        for f in dataclasses.fields(DraftTree):
-            getattr(static, f.name)[:B].copy_(getattr(tree, f.name))
+        self.spec.draft_tree(
+            shape, self.tokens[:B], self.positions[:B], self.slots[:B], _tree_rows(self.trees[shape], B)
+        )
 
     def _verify(self, B: int, shape: int, greedy: bool) -> None:
         spec, prefix, slots = self.spec, self.positions[:B], self.slots[:B]

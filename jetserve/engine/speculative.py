@@ -5,7 +5,6 @@ commit → catch-up), the adaptive choice of tree size per step, and the counter
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import math
 import statistics
@@ -673,18 +672,19 @@ class SpecDecoder:
 
     # ---- the VERIFY step ----
 
-    def draft_tree(self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor) -> DraftTree:
+    def draft_tree(
+        self, shape: int, roots: torch.Tensor, prefix: torch.Tensor, slots: torch.Tensor, out: DraftTree | None = None
+    ) -> DraftTree:
         """Draft each sequence's tree: roots [N] (its last token), prefix [N] int64 (its cached tokens = the root's
-        position), slots [N] int64 (0 for padded rows)."""
+        position), slots [N] int64 (0 for padded rows); into `out` when given (`Drafter.draft_tree`'s)."""
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
-        tree = self.drafters[shape].draft_tree(self.last_hidden[slots], roots, prefix, kv)
+        tree = self.drafters[shape].draft_tree(self.last_hidden[slots], roots, prefix, kv, out)
         if self.forced is not None:
             table = self.forced_tokens
             right = table[slots[:, None], tree.positions.clamp(max=table.shape[1] - 1)]  # [N, T_d]
             if self.forced == "wrong":
                 right = (right + 1) % self.runner.config.vocab_size
-            tokens = torch.cat([tree.tokens[:, :1], right[:, 1:]], dim=1)
-            tree = dataclasses.replace(tree, tokens=tokens)
+            tree.tokens[:, 1:].copy_(right[:, 1:])
         return tree
 
     def verify(

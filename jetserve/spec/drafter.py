@@ -19,7 +19,7 @@ from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.ops.draft_rows import draft_rows
 from jetserve.spec.constants import ShapeConstants
 from jetserve.spec.eagle3 import Eagle3DraftModel
-from jetserve.spec.tree import DraftTree, build_draft_tree, chain_tree, expand_frontier, first_level
+from jetserve.spec.tree import DraftTree, build_draft_tree, chain_buffers, expand_frontier, first_level
 
 
 @dataclass
@@ -181,18 +181,33 @@ class Drafter:
         return self.extend_rows(input_ids, features, tree.positions[:, 0], kv, num_accepted)
 
     def draft_tree(
-        self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV
+        self,
+        last_hidden: torch.Tensor,
+        root_tokens: torch.Tensor,
+        root_positions: torch.Tensor,
+        kv: DraftKV,
+        out: DraftTree | None = None,
     ) -> DraftTree:
         """Draft the tree below each root: last_hidden [N, H] (from `extend`), root_tokens [N], root_positions [N]
-        (= tokens in the target's cache; the draft cache holds positions [0, root_position)).
+        (= tokens in the target's cache; the draft cache holds positions [0, root_position)). Into `out` [N, T_d]
+        when given (a graph's static tree), which is returned: a chain writes its tokens, positions and scores there
+        directly, so `out` must come from `chain_buffers` (its parents, depths, mask and root scores are kept); a
+        tree is copied in whole.
 
         Level d + 1 re-runs, for each of the k frontier nodes, the chain of its d + 1 draft inputs over the draft
         cache (nothing is stored), so sibling branches never see each other. The draft is one layer, so this costs
         a few dozen tokens per sequence and keeps the cache append-only.
         """
         if self.topk == 1:
-            return self._draft_chain(last_hidden, root_tokens, root_positions, kv)
-        return self._draft_levels(last_hidden, root_tokens, root_positions, kv)
+            if out is None:
+                out = chain_buffers(root_tokens.shape[0], self.num_draft_tokens, last_hidden.device, self.constants)
+            return self._draft_chain(last_hidden, root_tokens, root_positions, kv, out)
+        tree = self._draft_levels(last_hidden, root_tokens, root_positions, kv)
+        if out is None:
+            return tree
+        for f in dataclasses.fields(DraftTree):
+            getattr(out, f.name).copy_(getattr(tree, f.name))
+        return out
 
     def _draft_levels(
         self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV
@@ -240,38 +255,44 @@ class Drafter:
         return build_draft_tree(root_tokens, levels, self.num_draft_tokens, roots)
 
     def _draft_chain(
-        self, last_hidden: torch.Tensor, root_tokens: torch.Tensor, root_positions: torch.Tensor, kv: DraftKV
+        self,
+        last_hidden: torch.Tensor,
+        root_tokens: torch.Tensor,
+        root_positions: torch.Tensor,
+        kv: DraftKV,
+        out: DraftTree,
     ) -> DraftTree:
-        """`draft_tree` for topk = 1: the same chain as the general path, without its selection. A chain's
-        cumulative log-probs fall with depth, so the best `num_draft_tokens - 1` candidates are its first levels:
-        only those are drafted. Level d + 1 re-runs the chain's d inputs (nothing is stored) and keeps the last
-        output; the top-1 token is one reduction (no sort), and the tree's parents, depths and mask are a chain's.
-        Session 19 measured the general path's bookkeeping at ~100 of the 193 kernels of the default pair's chain-3
-        draft graph (sorts, gathers, the ancestor mask)."""
+        """`draft_tree` for topk = 1 into `out` (`chain_buffers`): the same chain as the general path, without its
+        selection. A chain's cumulative log-probs fall with depth, so the best `num_draft_tokens - 1` candidates are
+        its first levels: only those are drafted. Level d + 1 re-runs the chain's d inputs (nothing is stored) and
+        keeps the last output; the top-1 token is one reduction (no sort) written into its column of `out`, whose
+        parents, depths and mask are a chain's already. Session 19 measured the general path's bookkeeping at ~100 of
+        the 193 kernels of the default pair's chain-3 draft graph (sorts, gathers, the ancestor mask); writing in
+        place saves the levels' stacks and a graph's copies of the tree (session 46)."""
         num_seqs, hidden_size = last_hidden.shape
         device = last_hidden.device
         levels = self.num_draft_tokens - 1
         roots = root_positions.to(device, torch.long)  # [N]
-        # Every level's positions and context lengths at once (level d takes the first d columns / row d - 1):
-        # [N, levels] int64 and [levels, N] int32, its rows contiguous as a batch's context_lens are.
-        positions = roots[:, None] + self.constants.arange(levels, device)
-        ends = (roots[None, :] + self.constants.arange(levels + 1, device)[1:, None]).to(torch.int32)
-        logprob, token = self.draft.top_candidate(last_hidden)  # [N] each
-        tokens, logprobs = [token], [logprob]
+        # Node j sits at position root + j, and level d's chain inputs at the first d of them; level d's context
+        # lengths are row d - 1 of [levels, N] int32, rows contiguous as a batch's context_lens are.
+        torch.add(roots[:, None], self.constants.arange(levels + 1, device), out=out.positions)  # [N, T_d]
+        ends = torch.empty(levels, num_seqs, dtype=torch.int32, device=device)
+        torch.add(roots[None, :], self.constants.arange(levels + 1, device)[1:, None], out=ends)
+        out.tokens[:, 0].copy_(root_tokens)
+        # Each level's log-prob lands in its column of the scores, summed along the chain at the end (the root's 0
+        # stays).
+        self.draft.top_candidate(last_hidden, out=(out.scores[:, 1], out.tokens[:, 1]))
         chain_hidden = last_hidden[:, None, :]  # [N, 1, H]: the draft inputs' hidden part, depth 1 .. d
         for depth in range(1, levels):
             fb = self._rows_batch(
-                positions[:, :depth].reshape(-1), num_seqs, depth, ends[depth - 1],
+                out.positions[:, :depth].reshape(-1), num_seqs, depth, ends[depth - 1],
                 self.constants.full((num_seqs * depth,), -1, torch.long, device), kv.block_tables,
             )  # fmt: skip
-            chain_tokens = torch.stack(tokens, dim=1)  # [N, d]
-            normed, out = self.draft.forward_normed(chain_tokens.view(-1), chain_hidden.reshape(-1, hidden_size), fb)
-            last = out.view(num_seqs, depth, hidden_size)[:, -1]  # [N, H]
-            logprob, token = self.draft.top_candidate(normed.view(num_seqs, depth, hidden_size)[:, -1], normed=True)
-            tokens.append(token)
-            logprobs.append(logprob)
+            chain_tokens = out.tokens[:, 1 : depth + 1].reshape(-1)  # [N*d]: a view (strided at depth 1)
+            normed, hidden = self.draft.forward_normed(chain_tokens, chain_hidden.reshape(-1, hidden_size), fb)
+            last = hidden.view(num_seqs, depth, hidden_size)[:, -1]  # [N, H]
+            self.draft.top_candidate(normed.view(num_seqs, depth, hidden_size)[:, -1], normed=True,
+                                     out=(out.scores[:, depth + 1], out.tokens[:, depth + 1]))  # fmt: skip
             chain_hidden = torch.cat([chain_hidden, last[:, None, :]], dim=1)  # [N, d + 1, H]
-        root_score = self.constants.full((num_seqs,), 0.0, torch.float32, device)
-        chain_scores = torch.stack([root_score, *logprobs], dim=1).cumsum(dim=1)  # [N, T_d]: cumulative log-probs
-        chain_tokens = torch.stack([root_tokens.to(device, torch.long), *tokens], dim=1)  # [N, T_d]
-        return chain_tree(chain_tokens, roots, chain_scores, self.constants)
+        out.scores.cumsum_(dim=1)  # [N, T_d]: cumulative log-probs
+        return out

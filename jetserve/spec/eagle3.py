@@ -309,12 +309,14 @@ class Eagle3DraftModel(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def top_candidate(self, hidden: torch.Tensor, normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_candidate(
+        self, hidden: torch.Tensor, normed: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The most likely next token: (log-prob [T] fp32, target-vocabulary id [T] int64); ties go to the lower
         draft id. One split reduction over the draft logits as the lm_head writes them (`top_logprob`, the
         d2t shift included), where `top_candidates(hidden, 1)` sorts. `normed`: hidden is already norm(hidden)
-        (`forward_normed`)."""
-        return top_logprob(self.lm_head(hidden if normed else self.norm(hidden)), self.d2t)
+        (`forward_normed`). `out`: the pair's buffers (any stride: a chain's level column)."""
+        return top_logprob(self.lm_head(hidden if normed else self.norm(hidden)), self.d2t, out)
 
     def top_candidates(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely next tokens: (log-probs [T, k] fp32, target-vocabulary ids [T, k] int64)."""

@@ -137,7 +137,7 @@ def build_draft_tree(
 def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:
     """mask [N, T_d, T_d] bool with mask[i, j, a] = a is j or an ancestor of j, from parents [N, T_d] (-1 at the root)
     of a tree at most `num_levels` deep: the `DraftTree.mask` of a tree given by its parents alone (hand-made trees,
-    as the tests build). The drafter's trees get theirs from `ops.tree_select`, and chains from the shape constants."""
+    as the tests build). The drafter's trees get theirs from `ops.tree_select`, and chains from `chain_buffers`."""
     num_seqs, num_nodes = parents.shape
     device = parents.device
     mask = torch.eye(num_nodes, dtype=torch.bool, device=device).expand(num_seqs, -1, -1).clone()  # [N, T_d, T_d]
@@ -150,28 +150,44 @@ def ancestor_mask(parents: torch.Tensor, num_levels: int) -> torch.Tensor:
     return mask
 
 
-def chain_tree(
-    tokens: torch.Tensor,
-    root_positions: torch.Tensor,
-    scores: torch.Tensor | None = None,
-    constants: ShapeConstants | None = None,
+def chain_buffers(
+    num_seqs: int, num_nodes: int, device: torch.device, constants: ShapeConstants | None = None
 ) -> DraftTree:
-    """A chain of T_d nodes from tokens [N, T_d] (node 0 the last committed token): parent j - 1, depth j; scores
-    [N, T_d] fp32 its cumulative draft log-probs (0 at the root), zeros when not given. With `constants` (the
-    drafter's), the parents, depths and mask — the shape's alone — are made once and served from there (read-only)."""
-    num_seqs, num_nodes = tokens.shape
-    device = tokens.device
-    constants = ShapeConstants() if constants is None else constants  # (an empty cache is falsy: `len`)
-    depth = constants.arange(num_nodes, device)  # [T_d]
-    parents = constants.get(("chain parents", num_seqs, num_nodes), device,
-                            lambda: (depth - 1).to(torch.int32).expand(num_seqs, -1).contiguous())  # fmt: skip
-    depths = constants.get(("chain depths", num_seqs, num_nodes), device,
-                           lambda: depth.to(torch.int32).expand(num_seqs, -1).contiguous())  # fmt: skip
+    """A chain's tree to draft into (`Drafter.draft_tree`'s `out`): a chain's parents, depths and mask, which a chain
+    drafted into it keeps; tokens and positions zero; scores zero, the root's column staying so. With `constants`
+    (a drafter's), the parents, depths and mask — the shape's alone — are made once and served from there
+    (read-only), and tokens and positions are left unset (a chain drafted into them writes every entry)."""
+    if constants is None:
+        depth = torch.arange(num_nodes, device=device)  # [T_d]
+        parents = (depth - 1).to(torch.int32).expand(num_seqs, -1).contiguous()
+        depths = depth.to(torch.int32).expand(num_seqs, -1).contiguous()
+        mask = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device).tril().expand(num_seqs, -1, -1)
+        new = torch.zeros
+    else:
+        parents = constants.get(("chain parents", num_seqs, num_nodes), device,
+                                lambda: chain_buffers(num_seqs, num_nodes, device).parents)  # fmt: skip
+        depths = constants.get(("chain depths", num_seqs, num_nodes), device,
+                               lambda: chain_buffers(num_seqs, num_nodes, device).depths)  # fmt: skip
+        mask = constants.causal(num_seqs, num_nodes, device)
+        new = torch.empty
     return DraftTree(
-        tokens=tokens.long(),
+        tokens=new(num_seqs, num_nodes, dtype=torch.int64, device=device),
         parents=parents,  # [N, T_d] int32
         depths=depths,  # [N, T_d] int32
-        mask=constants.causal(num_seqs, num_nodes, device),  # [N, T_d, T_d]: node a ≤ j is j's ancestor
-        positions=root_positions.long()[:, None] + depth[None, :],
-        scores=torch.zeros(num_seqs, num_nodes, device=device) if scores is None else scores,
+        mask=mask.contiguous(),  # [N, T_d, T_d]: node a ≤ j is j's ancestor
+        positions=new(num_seqs, num_nodes, dtype=torch.int64, device=device),
+        scores=torch.zeros(num_seqs, num_nodes, dtype=torch.float32, device=device),
     )
+
+
+def chain_tree(tokens: torch.Tensor, root_positions: torch.Tensor, scores: torch.Tensor | None = None) -> DraftTree:
+    """A chain of T_d nodes from tokens [N, T_d] (node 0 the last committed token): parent j - 1, depth j, position
+    root_positions[i] + j; scores [N, T_d] fp32 its cumulative draft log-probs (0 at the root), zeros when not given.
+    (The drafter drafts a chain into `chain_buffers` directly.)"""
+    num_seqs, num_nodes = tokens.shape
+    tree = chain_buffers(num_seqs, num_nodes, tokens.device)
+    tree.tokens.copy_(tokens)
+    torch.add(root_positions.to(tokens.device, torch.long)[:, None], tree.depths, out=tree.positions)
+    if scores is not None:
+        tree.scores.copy_(scores)
+    return tree

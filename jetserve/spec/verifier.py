@@ -80,16 +80,24 @@ class Verifier:
         num_seqs, num_nodes = tree.tokens.shape
         device = tree.tokens.device
         prefix = prefix_lens.to(device, torch.long)  # [N]
-        stored = (prefix[:, None] + self.constants.arange(num_nodes, device)).view(-1)  # [T]
-        rows = state_indices.long().repeat_interleave(num_nodes)  # [T]
-        context = prefix + num_nodes  # [N]
-        kv, swa_kv = kv_metadata(stored, rows, context.repeat_interleave(num_nodes), state_indices)
+        if is_chain:  # node j of a chain sits at its RoPE position, prefix + depth j
+            stored = tree.positions.reshape(-1)  # [T]
+        else:
+            stored = (prefix[:, None] + self.constants.arange(num_nodes, device)).view(-1)  # [T]
+        context = torch.empty(num_seqs, dtype=torch.int32, device=device)  # [N]
+        torch.add(prefix, num_nodes, out=context)
+        # Each token's state slot and context length: one widening copy each (a repeat_interleave after a `long`).
+        per_token = torch.empty(2, num_seqs, num_nodes, dtype=torch.long, device=device)  # [2, N, T_d]
+        per_token[0].copy_(state_indices[:, None].expand(-1, num_nodes))
+        per_token[1].copy_(context[:, None].expand(-1, num_nodes))
+        rows, ends = per_token.view(2, -1)  # [T] each
+        kv, swa_kv = kv_metadata(stored, rows, ends, state_indices)
         return ForwardBatch(
             phase=Phase.VERIFY,
             input_ids=tree.tokens.reshape(-1),
             positions=tree.positions.reshape(-1),
             cu_seqlens=self.constants.offsets(num_seqs, num_nodes, device),
-            context_lens=context.to(torch.int32),
+            context_lens=context,
             state_indices=state_indices.to(torch.int32),
             has_initial_state=prefix > 0,
             max_seqlen_q=num_nodes,

@@ -184,13 +184,16 @@ def test_silu_and_mul_kernel(kernels, dtype: torch.dtype, num_tokens: int, inner
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 1), (3, 7), (6, 100), (2, 384)])
 def test_embed_norm_pair_kernel(kernels, dtype: torch.dtype, num_tokens: int, hidden: int) -> None:
-    """Widths that leave the block's tail masked, a strided hidden (a view of a wider tensor) and repeated ids."""
+    """Widths that leave the block's tail masked, a strided hidden (a view of a wider tensor) and repeated ids, given
+    contiguous and as a strided column (a chain's tokens at one level)."""
     table = randn(13, hidden, dtype=dtype, seed=44, scale=2.0).to(DEVICE)
     hidden_rows = randn(num_tokens, hidden + 5, dtype=dtype, seed=45, scale=3.0).to(DEVICE)[:, 5:]
     ids = torch.tensor([12, 0, 5, 5, 7, 1][:num_tokens], device=DEVICE)
     w_e, w_h = randn(hidden, dtype=dtype, seed=46).to(DEVICE), randn(hidden, dtype=dtype, seed=47).to(DEVICE)
-    actual = kernels.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6)
-    assert_matches(actual, ref.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6))
+    expected = ref.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6)
+    assert_matches(kernels.embed_norm_pair(ids, table, hidden_rows, (w_e, w_h), 1e-6), expected)
+    column = torch.stack([ids.flip(0), ids, ids + 1], dim=1)[:, 1]  # [T] of stride 3
+    assert_matches(kernels.embed_norm_pair(column, table, hidden_rows, (w_e, w_h), 1e-6), expected)
 
 
 def test_kernels_accept_zero_tokens(kernels) -> None:

@@ -421,6 +421,36 @@ def test_triton_top_logprob_matches_torch(
     torch.testing.assert_close(logprob, expected_logprob, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_rows, vocab", [(1, 300), (5, 1025)])
+def test_top_logprob_into_strided_out(kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int) -> None:
+    """`out=`: both variants write each row's log-prob and index into columns of larger buffers (a chain's level
+    column of its [N, T] scores and tokens, poisoned: NaN and -1) and return them; every other column stays
+    untouched. An out of the wrong shape, dtype or device is refused."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(kernels, "ARGMAX_BLOCK_V", 128)
+        monkeypatch.setattr(kernels, "ARGMAX_PROGRAMS_PER_SM", 2)
+    logits = random_logits(num_rows, vocab, seed=7 * vocab + num_rows).to(DEVICE)
+    offsets = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(vocab)).to(DEVICE)
+    expected_logprob, expected_index = ref.top_logprob(logits, offsets)
+    for module in (kernels, ref):
+        scores = torch.full((num_rows, 4), float("nan"), device=DEVICE)  # [N, T]
+        tokens = torch.full((num_rows, 4), -1, dtype=torch.int64, device=DEVICE)  # [N, T]
+        logprob, index = module.top_logprob(logits, offsets, out=(scores[:, 2], tokens[:, 2]))
+        assert logprob.data_ptr() == scores[:, 2].data_ptr() and index.data_ptr() == tokens[:, 2].data_ptr()
+        assert torch.equal(tokens[:, 2], expected_index)
+        torch.testing.assert_close(scores[:, 2], expected_logprob, rtol=1e-5, atol=1e-5)
+        others = [0, 1, 3]
+        assert scores[:, others].isnan().all() and (tokens[:, others] == -1).all()
+        bad = [
+            (torch.zeros(num_rows + 1, device=DEVICE), tokens[:, 0]),
+            (scores[:, 0], torch.zeros(num_rows, dtype=torch.int32, device=DEVICE)),
+            (scores[:, 0].double(), tokens[:, 0]),
+        ]
+        for out in bad:
+            with pytest.raises(ValueError, match="top_logprob: out's"):
+                module.top_logprob(logits, offsets, out=out)
+
+
 def test_top_logprob_rejects_bad_shapes(kernels) -> None:
     for module in (kernels, ref):
         with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):

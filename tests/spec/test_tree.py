@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from jetserve.spec.constants import ShapeConstants
-from jetserve.spec.tree import DraftLevel, build_draft_tree, chain_tree, expand_frontier, first_level
+from jetserve.spec.tree import DraftLevel, build_draft_tree, chain_buffers, chain_tree, expand_frontier, first_level
 
 
 def _draft_levels(num_seqs, vocab, topk, num_steps, seed):
@@ -120,15 +119,17 @@ def test_bad_sizes_are_errors():
         build_draft_tree(torch.tensor([1, 2]), levels, 3, torch.tensor([0]))
 
 
-def test_chain_tree_serves_its_shape_tensors_from_the_constants():
-    """With the drafter's constants (empty at first, as a new drafter's), two chains of one shape share their parents,
-    depths and mask — made once — and equal the chain built without them."""
-    constants = ShapeConstants()
+def test_chain_tree_fills_chain_buffers():
+    """`chain_buffers` holds a chain's parents, depths and mask and zeros; `chain_tree` fills its tokens, positions
+    (root + depth) and scores, and equals the general builder's chain."""
     tokens = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
-    first = chain_tree(tokens, torch.tensor([3, 9]), constants=constants)
-    second = chain_tree(tokens + 1, torch.tensor([0, 2]), constants=constants)
-    plain = chain_tree(tokens, torch.tensor([3, 9]))
-    for name in ("parents", "depths", "mask"):
-        assert getattr(first, name) is getattr(second, name), name
-        assert torch.equal(getattr(first, name), getattr(plain, name)), name
-    assert torch.equal(second.positions, torch.tensor([[0, 1, 2, 3], [2, 3, 4, 5]]))
+    empty = chain_buffers(2, 4, tokens.device)
+    assert torch.equal(empty.parents, torch.tensor([[-1, 0, 1, 2]] * 2, dtype=torch.int32))
+    assert torch.equal(empty.depths, torch.tensor([[0, 1, 2, 3]] * 2, dtype=torch.int32))
+    assert torch.equal(empty.mask, torch.ones(4, 4, dtype=torch.bool).tril().expand(2, -1, -1))
+    assert not empty.tokens.any() and not empty.positions.any() and not empty.scores.any()
+    scores = torch.tensor([[0.0, -1.0, -2.0, -4.0], [0.0, -0.5, -0.7, -0.9]])
+    tree = chain_tree(tokens, torch.tensor([3, 9]), scores)
+    assert torch.equal(tree.tokens, tokens) and torch.equal(tree.scores, scores)
+    assert torch.equal(tree.positions, torch.tensor([[3, 4, 5, 6], [9, 10, 11, 12]]))
+    assert tree.positions.dtype == torch.int64 and tree.tokens.dtype == torch.int64

@@ -65,6 +65,7 @@ def _embed_norm_pair_kernel(
     w_e,
     w_h,
     y,
+    stride_ids,
     stride_table,
     stride_hidden,
     H,
@@ -77,7 +78,7 @@ def _embed_norm_pair_kernel(
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BLOCK_H)
     m_h = o_h < H
-    row = tl.load(ids + i_t).to(tl.int64)
+    row = tl.load(ids + i_t * stride_ids).to(tl.int64)
     b_e = tl.load(table + row * stride_table + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_x = tl.load(hidden + i_t * stride_hidden + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_we = tl.load(w_e + o_h, mask=m_h, other=0.0).to(tl.float32)
@@ -190,8 +191,9 @@ def embed_norm_pair(
     ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], eps: float
 ) -> torch.Tensor:
     """The embedding gather and both RMSNorms of EAGLE-3's draft-layer input in one launch; see
-    `reference.embed_norm_pair`. ids [T], table [V, H] and hidden [T, H] (unit stride on H; any row strides), weights
-    (the embedding's norm weight, the hidden state's) [H] each → [T, 2H]."""
+    `reference.embed_norm_pair`. ids [T] (any stride: a column of a chain's tokens), table [V, H] and hidden [T, H]
+    (unit stride on H; any row strides), weights (the embedding's norm weight, the hidden state's) [H] each →
+    [T, 2H]."""
     check_embed_norm_pair(ids, table, hidden, weights)
     num_rows, width = hidden.shape
     y = torch.empty(num_rows, 2 * width, dtype=table.dtype, device=table.device)  # [T, 2H]
@@ -208,6 +210,7 @@ def embed_norm_pair(
         hidden,
         *weights,
         y,
+        ids.stride(0),
         table.stride(0),
         hidden.stride(0),
         width,

@@ -18,10 +18,12 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return reference.argmax(logits, out)
 
 
-def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprob(
+    logits: torch.Tensor, offsets: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] → (log-prob [N] fp32, index [N] int64): `log_softmax(logits).max(dim=-1)`, the index shifted by
-    offsets[index] when offsets [V] is given (a draft's `d2t`). See `reference.top_logprob`; the Triton variant
-    splits each row across the GPU as `argmax` does."""
+    offsets[index] when offsets [V] is given (a draft's `d2t`); into `out` (the pair, any stride) when given. See
+    `reference.top_logprob`; the Triton variant splits each row across the GPU as `argmax` does."""
     if use_triton(logits):
-        return kernels.top_logprob(logits, offsets)
-    return reference.top_logprob(logits, offsets)
+        return kernels.top_logprob(logits, offsets, out)
+    return reference.top_logprob(logits, offsets, out)

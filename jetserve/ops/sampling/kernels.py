@@ -482,7 +482,7 @@ def _top_logprob_split_kernel(
 
 @triton.jit
 def _top_logprob_merge_kernel(
-    part_max, part_sum, part_index, part_bad, offsets, out_logprob, out_index, num_splits,
+    part_max, part_sum, part_index, part_bad, offsets, out_logprob, out_index, num_splits, stride_logprob, stride_index,
     HAS_OFFSETS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Row n: −log(Σ_s sum_s · exp(max_s − max)) and the first index of the maximum over the splits (in index order,
@@ -501,21 +501,25 @@ def _top_logprob_merge_kernel(
     index = tl.where(is_bad, 0, tl.min(tl.where(b_max == m_max, b_index, ARGMAX_NONE), axis=0)).to(tl.int64)
     if HAS_OFFSETS:
         index += tl.load(offsets + index).to(tl.int64)
-    tl.store(out_logprob + i_n, tl.where(is_bad, float("nan"), -tl.log(tl.where(is_bad, 1.0, total))))
-    tl.store(out_index + i_n, index)
+    tl.store(out_logprob + i_n * stride_logprob, tl.where(is_bad, float("nan"), -tl.log(tl.where(is_bad, 1.0, total))))
+    tl.store(out_index + i_n * stride_index, index)
 
 
-def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprob(
+    logits: torch.Tensor, offsets: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.top_logprob` (the first maximum of each row of logits [N, V] and its log-prob, the index shifted by
-    offsets[index] when given) in two launches: the argmax's split of each row, each slice's maximum, first index and
-    sum of exponentials, then one program per row merging them — where `log_softmax` then `max` read the row in one
-    block each (an EAGLE-3 draft's top-1 at every level)."""
-    check_top_logprob_inputs(logits, offsets)
+    offsets[index] when given; into `out`, any stride, when given) in two launches: the argmax's split of each row,
+    each slice's maximum, first index and sum of exponentials, then one program per row merging them — where
+    `log_softmax` then `max` read the row in one block each (an EAGLE-3 draft's top-1 at every level)."""
+    check_top_logprob_inputs(logits, offsets, out)
     num_rows, vocab_size = logits.shape
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
     device = logits.device
-    out_logprob = torch.empty(num_rows, dtype=torch.float32, device=device)  # [N]
-    out_index = torch.empty(num_rows, dtype=torch.int64, device=device)  # [N]
+    if out is None:
+        out = (torch.empty(num_rows, dtype=torch.float32, device=device),  # [N]
+               torch.empty(num_rows, dtype=torch.int64, device=device))  # [N]  # fmt: skip
+    out_logprob, out_index = out
     if num_rows == 0:
         return out_logprob, out_index
     num_splits, split_v = _argmax_splits(num_rows, vocab_size, device)
@@ -529,6 +533,7 @@ def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tu
     )  # fmt: skip
     _top_logprob_merge_kernel[(num_rows,)](
         part_max, part_sum, part_index, part_bad, offsets if offsets is not None else out_index, out_logprob,
-        out_index, num_splits, HAS_OFFSETS=offsets is not None, BLOCK_S=triton.next_power_of_2(num_splits),
+        out_index, num_splits, out_logprob.stride(0), out_index.stride(0), HAS_OFFSETS=offsets is not None,
+        BLOCK_S=triton.next_power_of_2(num_splits),
     )  # fmt: skip
     return out_logprob, out_index

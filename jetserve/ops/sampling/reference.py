@@ -156,21 +156,36 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return tokens if out is None else out.copy_(tokens)
 
 
-def check_top_logprob_inputs(logits: torch.Tensor, offsets: torch.Tensor | None) -> None:
+def check_top_logprob_inputs(
+    logits: torch.Tensor, offsets: torch.Tensor | None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> None:
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"top_logprob: logits must be [N, V] with V > 0, got {tuple(logits.shape)}")
     if offsets is not None and (offsets.dim() != 1 or offsets.shape[0] != logits.shape[1]):
         raise ValueError(f"top_logprob: offsets must be [V={logits.shape[1]}], got {tuple(offsets.shape)}")
+    if out is not None:
+        for name, tensor, dtype in zip(("log-prob", "index"), out, (torch.float32, torch.int64), strict=True):
+            if tensor.shape != (logits.shape[0],) or tensor.dtype != dtype or tensor.device != logits.device:
+                raise ValueError(
+                    f"top_logprob: out's {name} must be [{logits.shape[0]}] {dtype} on {logits.device} (any stride), "
+                    f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+                )
 
 
-def top_logprob(logits: torch.Tensor, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprob(
+    logits: torch.Tensor, offsets: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The most likely token of each row and its log-prob: logits [N, V] → (log-prob [N] fp32, index [N] int64),
     exactly `log_softmax(logits.float()).max(dim=-1)`: the first maximum, and a row holding a NaN or +inf, or no
     finite value, gives (NaN, 0) — its log-softmax is NaN throughout. With `offsets` [V] (an EAGLE-3 draft's `d2t`),
-    the index returned is `index + offsets[index]`."""
-    check_top_logprob_inputs(logits, offsets)
+    the index returned is `index + offsets[index]`. Written into `out` = (log-prob [N] fp32, index [N] int64, any
+    stride: a column of a chain's buffers) when given, which is returned."""
+    check_top_logprob_inputs(logits, offsets, out)
     logprob, index = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)  # [N] each
-    return logprob, index if offsets is None else index + offsets[index]
+    index = index if offsets is None else index + offsets[index]
+    if out is None:
+        return logprob, index
+    return out[0].copy_(logprob), out[1].copy_(index)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 # The whole GPU check in one command, for the H200 machine: install the carried wheels, run the `gpu` tests, the
 # memory checker over every kernel we ship, and the benchmarks; logs and JSON go to the folder given (default ./out).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR] [STAGES]
-#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,policy,verify,curve,linear,tiles,long,tp,mixer
-#   (default: the first four); policy A/Bs the adaptive policy against bench/policy_sim.py's candidates on the default
+#   STAGES: any of tests,memcheck,kernels,offline,overlap,profile,spec,graphs,policy,verify,curve,linear,tiles,long,tp,
+#   mixer (default: the first four); graphs times the default pair's draft, verify and decode graphs
+#   (bench/spec_graphs.py); policy A/Bs the adaptive policy against bench/policy_sim.py's candidates on the default
 #   pair (drafts forced wrong, then its own); verify is issue 5's 2B verify-step benchmark (chain 6 and tree 8, drafts
 #   forced wrong) and its profile; curve its forced speed-up curve (chain 6, the first K drafts accepted, K = 0..6: tau
 #   = K + 1); overlap runs `offline` with overlap scheduling on and off (two GPUs: side by side, one each); long is the
@@ -84,6 +85,8 @@ case ",$STAGES," in *,spec,*)
     run "spec_default${policy:+_full}" python3 -m jetserve.cli bench offline --model default --draft default \
       --dataset mtbench --dtype bfloat16 --batch-sizes 1,8,32 --output-len 128 --json $policy
   done ;; esac
+case ",$STAGES," in *,graphs,*)  # the default pair's speculative graphs replayed back to back (µs a replay)
+  run spec_graphs python3 bench/spec_graphs.py --batch-sizes 1,8 --json "$OUT_DIR/spec_graphs.jsonl" ;; esac
 case ",$STAGES," in *,policy,*)  # "never below 1.0x": the engine's policy and the candidates, in one process each
   for forced in wrong own; do
     run "policy_trace_$forced" python3 bench/policy_trace.py --batch-sizes 1,8 --num-prompts 24 --rounds 2 \

@@ -1,0 +1,161 @@
+"""The default pair's speculative graphs replayed back to back: per batch size, the plain decode graph, then for each
+of the engine's draft shapes (the adaptive engine's: chain 7, chain 3) its draft graph, and its draft graph followed
+by its verify graph, the static inputs restored before each replay (one small copy, in every figure), so that every
+replay drafts and verifies the same rows at the same positions; verify = (draft + verify) - draft. µs a replay, the
+median of --rounds rounds of --reps replays, beside the roofline: the bytes a replay must read (the target's weights
+for decode and verify, the draft layer and lm_head for each draft level, the catch-up's draft layer and fc in
+verify) over the copy bandwidth measured in the same run. These graphs are bound by their launches (~200 a
+speculative step at batch 1), not their bytes, so the roofline is far below every figure.
+
+A/B two versions of the package by running it twice, the other on PYTHONPATH (e.g. the session's starting tree
+exported to a folder): the figures repeat to within ~1% between runs on an H200 (session 46). On the CPU (no CUDA
+graphs) it times the same bodies eagerly with a host clock: a smoke test of the script, not a measurement.
+One JSON line per (batch size, graph) with --json.
+Usage: python bench/spec_graphs.py [--batch-sizes 1,8] [--reps 200] [--rounds 5] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from jetserve.assets import resolve_checkpoint
+from jetserve.engine.bench_offline import bench_prompts, measure_copy_bandwidth
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.engine import LLMEngine
+from jetserve.sampling_params import SamplingParams
+
+
+def _timed(fn: Callable[[], None], device: torch.device, reps: int, rounds: int) -> float:
+    """µs per call of fn: the median over `rounds` of `reps` calls back to back."""
+    fn()
+    per_round = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            per_round.append(start.elapsed_time(end) * 1e3 / reps)
+        else:
+            begin = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            per_round.append((time.perf_counter() - begin) * 1e6 / reps)
+    return statistics.median(per_round)
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _engine(batch_size: int, device: str, dtype: str, steps: int) -> LLMEngine:
+    """The default pair's engine, `steps` steps into `batch_size` greedy MT-bench requests (prefilled, decoding)."""
+    engine = LLMEngine(EngineConfig(
+        model=str(resolve_checkpoint("default", "model")), draft=str(resolve_checkpoint("default", "draft")),
+        device=device, dtype=dtype, max_num_seqs=batch_size, gpu_memory_utilization=0.2,
+    ))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    for i, prompt in enumerate(bench_prompts(engine, "mtbench", batch_size, 1024, 0, batch_size)[:batch_size]):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(steps):
+        engine.step()
+    return engine
+
+
+def _bodies(engine: LLMEngine, batch_size: int, shape: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(draft, draft + verify) of `shape` for the running rows: graph replays on CUDA, the same calls eagerly
+    elsewhere; each restores the rows' inputs (root, cached prefix, slot) first."""
+    spec = engine.spec
+    seqs = list(engine.scheduler.running)[:batch_size]
+    device = engine.runner.device
+    host = [[s.token_ids[-1] for s in seqs], [s.num_computed_tokens for s in seqs], [s.slot for s in seqs]]
+    inputs = torch.tensor(host, dtype=torch.int64, device=device)  # [3, N]
+    graphs = spec.graphs
+    if graphs is not None:
+        draft = graphs.graphs[("draft", graphs._bucket(batch_size), shape)]
+        verify = graphs.graphs[("verify", graphs._bucket(batch_size), shape, True)]
+        saved = graphs.inputs[:, : len(seqs)].clone()
+
+        def draft_only() -> None:
+            graphs.inputs[:, : len(seqs)].copy_(saved)
+            draft.replay()
+
+        def draft_verify() -> None:
+            draft_only()
+            verify.replay()
+
+        return draft_only, draft_verify
+    roots, prefix, slots = inputs.clone().unbind(0)
+
+    def draft_eager() -> object:
+        return spec.draft_tree(shape, roots, prefix, slots)
+
+    def draft_verify_eager() -> None:
+        spec.verify(shape, draft_eager(), prefix, slots, None)
+
+    return draft_eager, draft_verify_eager
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="engine steps before timing (prefill, then decoding)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json")
+    args = p.parse_args()
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"--batch-sizes {args.batch_sizes!r}: want integers, comma-separated (e.g. 1,8)")
+    if min(batch_sizes) < 1 or args.reps < 1 or args.rounds < 1:
+        p.error("--batch-sizes, --reps and --rounds must be ≥ 1")
+    device = torch.device(args.device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    bandwidth = measure_copy_bandwidth(device) / 1e9  # GB/s
+    out = open(args.json, "a") if args.json else None
+    clock = "CUDA-graph replays" if device.type == "cuda" else "eager calls, host clock (CPU: a smoke test)"
+    print(f"{clock}; copy bandwidth {bandwidth:.0f} GB/s; µs a replay (roofline µs)")
+    print(f"{'batch':>5s}  {'graph':22s} {'µs':>9s} {'roofline':>9s}")
+    for batch_size in batch_sizes:
+        engine = _engine(batch_size, args.device, dtype, args.steps)
+        spec, runner = engine.spec, engine.runner
+        target, draft = _nbytes(runner.model), _nbytes(spec.draft.midlayer)
+        head, fc = _nbytes(spec.draft.lm_head), _nbytes(spec.draft.fc)
+        rows: list[tuple[str, float, int]] = []
+        graphs = runner.graph_runner
+        if graphs is not None:
+            rows.append(("decode", _timed(graphs.graphs[graphs.bucket(batch_size)].replay, device, args.reps,
+                                          args.rounds), target))  # fmt: skip
+        for shape, options in enumerate(spec.shapes):
+            levels = options.num_draft_tokens - 1
+            name = f"chain {levels}" if options.topk == 1 else f"tree {options.topk}x{options.num_steps}"
+            draft_only, draft_verify = _bodies(engine, batch_size, shape)
+            drafted = _timed(draft_only, device, args.reps, args.rounds)
+            both = _timed(draft_verify, device, args.reps, args.rounds)
+            draft_bytes = levels * head + (levels - 1) * draft
+            rows += [(f"{name} draft", drafted, draft_bytes), (f"{name} verify", both - drafted, target + draft + fc),
+                     (f"{name} draft + verify", both, draft_bytes + target + draft + fc)]  # fmt: skip
+        for graph, us, nbytes in rows:
+            roofline = nbytes / (bandwidth * 1e3)  # µs
+            print(f"{batch_size:5d}  {graph:22s} {us:9.2f} {roofline:9.2f}")
+            if out:
+                out.write(json.dumps({"batch_size": batch_size, "graph": graph, "us": round(us, 3),
+                                      "roofline_us": round(roofline, 3), "bytes": nbytes, "device": str(device),
+                                      "copy_bandwidth_gb_s": round(bandwidth, 1)}) + "\n")  # fmt: skip
+        del engine, spec, runner, graphs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -425,13 +425,14 @@ def test_triton_top_logprob_matches_torch(
 def test_top_logprob_into_strided_out(kernels, monkeypatch: pytest.MonkeyPatch, num_rows: int, vocab: int) -> None:
     """`out=`: both variants write each row's log-prob and index into columns of larger buffers (a chain's level
     column of its [N, T] scores and tokens, poisoned: NaN and -1) and return them; every other column stays
-    untouched. An out of the wrong shape, dtype or device is refused."""
+    untouched; the offsets may be a strided view. An out of the wrong shape, dtype or device is refused."""
     if DEVICE == "cpu":
         monkeypatch.setattr(kernels, "ARGMAX_BLOCK_V", 128)
         monkeypatch.setattr(kernels, "ARGMAX_PROGRAMS_PER_SM", 2)
     logits = random_logits(num_rows, vocab, seed=7 * vocab + num_rows).to(DEVICE)
     offsets = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(vocab)).to(DEVICE)
     expected_logprob, expected_index = ref.top_logprob(logits, offsets)
+    offsets = torch.stack([offsets, -offsets], dim=1)[:, 0]  # the same d2t as a strided view: read as a vector
     for module in (kernels, ref):
         scores = torch.full((num_rows, 4), float("nan"), device=DEVICE)  # [N, T]
         tokens = torch.full((num_rows, 4), -1, dtype=torch.int64, device=DEVICE)  # [N, T]

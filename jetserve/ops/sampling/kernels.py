@@ -515,6 +515,7 @@ def top_logprob(
     check_top_logprob_inputs(logits, offsets, out)
     num_rows, vocab_size = logits.shape
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+    (offsets,) = dense(offsets)
     device = logits.device
     if out is None:
         out = (torch.empty(num_rows, dtype=torch.float32, device=device),  # [N]

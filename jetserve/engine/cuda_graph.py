@@ -17,7 +17,6 @@ from jetserve import envs
 from jetserve.engine import graph_split
 from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree, chain_buffers
-from jetserve.spec.verifier import next_tree_inputs
 
 if TYPE_CHECKING:
     from jetserve.engine.config import EngineConfig
@@ -249,13 +248,11 @@ class SpecGraphRunner:
     def _verify(self, B: int, shape: int, greedy: bool) -> None:
         spec, prefix, slots = self.spec, self.positions[:B], self.slots[:B]
         sampling = None if greedy else spec.runner.sampler.rows(slots, prefix + 1)
-        result = spec.verify(shape, _tree_rows(self.trees[shape], B), prefix, slots, sampling)
+        # The inputs of a next verify step of the same rows, for `draft_ahead`, left in the static inputs: the bonus
+        # token as the root, cached past the accepted path. (Padded rows accept nothing and keep their zeros.)
+        next_inputs = (self.tokens[:B], prefix)
+        result = spec.verify(shape, _tree_rows(self.trees[shape], B), prefix, slots, sampling, next_inputs)
         self.results[shape][:B].copy_(result)
-        # The inputs of a next verify step of the same rows, for `draft_ahead`: the bonus token as the root, cached
-        # past the accepted path. (Padded rows accept nothing and keep their zeros.)
-        roots, count = next_tree_inputs(result, spec.shapes[shape].num_draft_tokens)  # [B] each
-        self.tokens[:B].copy_(roots)
-        self.positions[:B].add_(count)
 
     def _flush(self, B: int) -> None:
         starts, valid, slots = self.flush_rows[:, :B]

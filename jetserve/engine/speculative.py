@@ -694,10 +694,14 @@ class SpecDecoder:
         prefix: torch.Tensor,
         slots: torch.Tensor,
         sampling: SamplingRows | None,
+        next_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Verify `tree` with the target, commit the accepted paths, catch the draft up on them. Returns [N, T_d + 2]
         int64: the emitted tokens (accepted drafts then the bonus, -1 after), the accepted node count (root
-        included) and the tree's depth, per sequence — read with one host transfer."""
+        included) and the tree's depth, per sequence — read with one host transfer. `next_inputs` = (roots [N],
+        cached [N]) int64 (a graph's static inputs): set to a next verify step's, the bonus token (0 on a padded
+        row) and the cached prefix advanced by the accepted count, from the acceptance's own outputs (what
+        `next_tree_inputs` reads back out of the result row in five launches)."""
         is_chain = self.shapes[shape].topk == 1
         fb = self.verifier.forward_batch(tree, prefix, slots.to(torch.int32), self.runner.verify_kv_metadata, is_chain)
         forced = self._accept_all(shape, tree, slots) if self.forced == "all" else None
@@ -708,6 +712,10 @@ class SpecDecoder:
             tree, out.accepted_nodes, out.num_accepted, emitted, out.aux_hidden_states, kv, is_chain=is_chain
         )  # [N, H]
         self.last_hidden[slots] = hidden
+        if next_inputs is not None:
+            roots, cached = next_inputs
+            torch.mul(out.bonus, out.num_accepted > 0, out=roots)  # a padded row's bonus is not a token: 0
+            cached.add_(out.num_accepted)
         if out.result is not None:  # made by the acceptance (greedy)
             return out.result
         depth = tree.depths.max(dim=1, keepdim=True).values.long()  # [N, 1]

@@ -2,10 +2,10 @@
 counted on the CPU with the default model and its draft (fp32, reference backend, the graph-free path; the default
 chain shape, or --verify-shape's tree) and grouped by part: the batch, K/V metadata, logits, the acceptance op (chain
 or tree: acceptance, emitted tokens and the result row), the draft's catch-up and its feature projection. Each is one
-small kernel in the verify CUDA graph (the K/V metadata and acceptance ops one launch each), so the count is what the
-glue's launches cost in kernels. With --draft-shapes, a draft step's too (one `draft_tree` call at batch 1, outside the
-draft's forward). There is no roofline: a count, not a time. One JSON line per (batch size, part) and per draft shape
-with --json.
+small kernel in the verify CUDA graph (the K/V metadata, acceptance and draft-rows ops one launch each), so the count
+is what the glue's launches cost in kernels. With --draft-shapes, a draft step's too (one `draft_tree` call at batch
+1, outside the draft's forward). There is no roofline: a count, not a time. One JSON line per (batch size, part) and
+per draft shape with --json.
 Usage: python bench/verify_glue.py [--batch-sizes 1,8] [--verify-shape 2x3x8] [--draft-shapes 1x6x7,2x3x8] [--json FILE]
 """
 
@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from jetserve.assets import resolve_checkpoint
 from jetserve.llm import LLM
 from jetserve.ops.chain_accept import reference as chain_accept_reference
+from jetserve.ops.draft_rows import reference as draft_rows_reference
 from jetserve.ops.kv_metadata import reference as kv_metadata_reference
 from jetserve.ops.tree_accept import reference as tree_accept_reference
 from jetserve.ops.tree_select import reference as tree_select_reference
@@ -41,8 +42,8 @@ NON_KERNELS = {
 }
 LEFT_OUT = ("target forward", "draft forward", "commit")
 # parts counted here in their reference's ops that are one launch each on the GPU: `ops.kv_metadata`,
-# `ops.chain_accept`, `ops.tree_accept`
-ONE_LAUNCH = ("K/V metadata op", "chain acceptance op", "tree acceptance op")
+# `ops.chain_accept`, `ops.tree_accept`, `ops.draft_rows`
+ONE_LAUNCH = ("K/V metadata op", "chain acceptance op", "tree acceptance op", "draft rows op")
 TREE_SELECTION = "tree selection op"  # a draft step's `ops.tree_select`, counted as its one launch
 
 
@@ -138,6 +139,7 @@ def count_glue(batch_size: int, shape: tuple[int, int, int] | None = None) -> di
     _labelled(kv_metadata_reference, "kv_metadata", ONE_LAUNCH[0])
     _labelled(chain_accept_reference, "chain_accept_emit", ONE_LAUNCH[1])
     _labelled(tree_accept_reference, "tree_accept_emit", ONE_LAUNCH[2])
+    _labelled(draft_rows_reference, "draft_rows", ONE_LAUNCH[3])
     labels = set(parts.values()) | set(ONE_LAUNCH)
     with torch.inference_mode():
         tree = spec.draft_tree(0, roots, prefix, slots)

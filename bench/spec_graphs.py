@@ -80,12 +80,11 @@ def _bodies(engine: LLMEngine, batch_size: int, shape: int) -> tuple[Callable[[]
     inputs = torch.tensor(host, dtype=torch.int64, device=device)  # [3, N]
     graphs = spec.graphs
     if graphs is not None:
-        draft = graphs.graphs[("draft", graphs._bucket(batch_size), shape)]
-        verify = graphs.graphs[("verify", graphs._bucket(batch_size), shape, True)]
-        saved = graphs.inputs[:, : len(seqs)].clone()
+        bucket = graphs._load(inputs)  # padded rows past them zeroed once
+        draft, verify = graphs.graphs[("draft", bucket, shape)], graphs.graphs[("verify", bucket, shape, True)]
 
         def draft_only() -> None:
-            graphs.inputs[:, : len(seqs)].copy_(saved)
+            graphs.inputs[:, : len(seqs)].copy_(inputs)
             draft.replay()
 
         def draft_verify() -> None:

@@ -26,6 +26,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from verify_glue import NON_KERNELS  # noqa: E402  (bench/, the script's folder)
 
 from jetserve.assets import resolve_checkpoint  # noqa: E402
 from jetserve.engine.cuda_graph import GraphRunner, SpecGraphRunner  # noqa: E402
@@ -33,13 +34,11 @@ from jetserve.llm import LLM  # noqa: E402
 from jetserve.ops.backend import set_backend  # noqa: E402
 from jetserve.sampling_params import SamplingParams  # noqa: E402
 
-# aten ops that launch no kernel: views, metadata, allocation, host reads
-NO_KERNEL = set(
-    "view as_strided empty empty_strided detach alias lift_fresh unsqueeze squeeze expand slice select t transpose "
-    "permute reshape _reshape_alias resolve_conj resolve_neg result_type unbind split chunk narrow split_with_sizes "
-    "_unsafe_view flatten unflatten view_as empty_like new_empty new_empty_strided size stride numel dim "
-    "is_same_size broadcast_tensors expand_as is_nonzero sym_size sym_stride sym_numel".split()
-)
+# aten ops that launch no kernel: verify_glue's list, less the casts and copies it cannot tell from no-ops (here a cast
+# or `contiguous` that returns its input is left out as it happens) and the ops that do launch one (a fill, a read)
+NO_KERNEL = {name.removeprefix("aten::") for name in NON_KERNELS} - {
+    "to", "_to_copy", "contiguous", "zeros_like", "item", "_local_scalar_dense"
+}  # fmt: skip
 
 
 class LaunchLog(TorchDispatchMode):

@@ -3,23 +3,13 @@ shape's draft, verify and draft + verify, each with a time and a roofline whose 
 the verify's target, draft layer and fc make the pair's), and a one-line error for bad batch sizes."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "bench/spec_graphs.py", *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
-def test_spec_graphs_writes_a_line_per_graph(tmp_path):
+def test_spec_graphs_writes_a_line_per_graph(tmp_path, run_bench):
     out = tmp_path / "graphs.jsonl"
-    run = _run("--batch-sizes", "1", "--reps", "1", "--rounds", "1", "--steps", "3", "--json", str(out))
+    run = run_bench(
+        "bench/spec_graphs.py", "--batch-sizes", "1", "--reps", "1", "--rounds", "1", "--steps", "3", "--json", str(out)
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {r["graph"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {f"chain {n} {part}" for n in (7, 3) for part in ("draft", "verify", "draft + verify")}
@@ -32,6 +22,6 @@ def test_spec_graphs_writes_a_line_per_graph(tmp_path):
     assert "chain 7 draft" in run.stdout and "roofline" in run.stdout
 
 
-def test_spec_graphs_refuses_bad_batch_sizes():
-    run = _run("--batch-sizes", "1,x")
+def test_spec_graphs_refuses_bad_batch_sizes(run_bench):
+    run = run_bench("bench/spec_graphs.py", "--batch-sizes", "1,x")
     assert run.returncode == 2 and "--batch-sizes '1,x'" in run.stderr.strip().splitlines()[-1]

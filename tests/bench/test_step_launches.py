@@ -5,23 +5,11 @@ launches before) — and its verify graph 18 torch launches, none a `repeat_inte
 inputs (`gather`, `where`); a bad shape is a one-line error."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "bench/step_launches.py", *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
-def test_chain_graphs_launch_no_avoidable_glue(tmp_path):
+def test_chain_graphs_launch_no_avoidable_glue(tmp_path, run_bench):
     out = tmp_path / "launches.jsonl"
-    run = _run("--batch-size", "1", "--shape", "1", "--list", "--json", str(out))
+    run = run_bench("bench/step_launches.py", "--batch-size", "1", "--shape", "1", "--list", "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {r["graph"]: r for r in map(json.loads, out.read_text().splitlines())}
     draft, verify = rows["draft"], rows["verify"]
@@ -36,6 +24,6 @@ def test_chain_graphs_launch_no_avoidable_glue(tmp_path):
     assert "spec/drafter.py" in run.stdout  # --list names the line that launched each
 
 
-def test_a_shape_the_engine_lacks_is_an_error():
-    run = _run("--shape", "7")
+def test_a_shape_the_engine_lacks_is_an_error(run_bench):
+    run = run_bench("bench/step_launches.py", "--shape", "7")
     assert run.returncode == 2 and "--shape 7" in run.stderr.strip().splitlines()[-1]

@@ -5,25 +5,17 @@ a greedy chain's verify step makes its emitted tokens and result row in the acce
 acceptance op, and a tree's draft step selects its nodes in the tree selection op."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def _rows(tmp_path, *flags: str) -> list[dict]:
+def _rows(run_bench, tmp_path, *flags: str) -> list[dict]:
     out = tmp_path / "glue.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "bench/verify_glue.py", "--batch-sizes", "1", *flags, "--json", str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = run_bench("bench/verify_glue.py", "--batch-sizes", "1", *flags, "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
-    rows = _rows(tmp_path, "--draft-shapes", "1x6x7")
+def test_a_chain_draft_step_makes_no_shape_constants(tmp_path, run_bench):
+    rows = _rows(run_bench, tmp_path, "--draft-shapes", "1x6x7")
     (draft,) = [r for r in rows if r.get("draft_shape") == "1x6x7"]
     ops = draft["by_op"]
     assert draft["ops"] > 0 and "tril" not in ops and "arange" not in ops, ops  # the chain tree's shape: constants
@@ -36,10 +28,10 @@ def test_a_chain_draft_step_makes_no_shape_constants(tmp_path):
     assert verify["chain acceptance op"] > 0 and "emitted tokens" not in verify and "acceptance" not in verify, verify
 
 
-def test_a_tree_step_accepts_in_one_op_and_selects_in_one_op(tmp_path):
+def test_a_tree_step_accepts_in_one_op_and_selects_in_one_op(tmp_path, run_bench):
     """Before `ops.tree_accept`, a tree-8 verify step's node walk, emitted tokens and result row were ~150 launches;
     before `ops.tree_select`, its draft step's selection and ancestor mask ~85 (162 ops in all, 85 after)."""
-    rows = _rows(tmp_path, "--verify-shape", "2x3x8", "--draft-shapes", "2x3x8")
+    rows = _rows(run_bench, tmp_path, "--verify-shape", "2x3x8", "--draft-shapes", "2x3x8")
     (draft,) = [r for r in rows if r.get("draft_shape") == "2x3x8"]
     ops = draft["by_op"]
     assert ops["tree selection op"] == 1 and "scatter_" not in ops and draft["ops"] < 100, ops  # scatter_: 4 before

@@ -99,11 +99,13 @@ class JetNemotronForCausalLM(nn.Module):
         """After a VERIFY step `fb`: keep only each sequence's accepted path (`accepted_nodes` [N, T_d] node indices,
         root first; `num_accepted` [N], counting the root) in every layer's state. Rows with 0 change nothing."""
         assert fb.tree_parents is not None, "commit_verified needs the VERIFY batch it follows"
-        prefix_lens = fb.context_lens - fb.tree_parents.shape[1]  # [N]
+        # A chain's accepted path is its first nodes, whose K/V the VERIFY step wrote at prefix + node already: the
+        # move would copy each onto itself, so a chain moves no K/V.
+        prefix_lens = None if fb.tree_is_chain else fb.context_lens - fb.tree_parents.shape[1]  # [N]
         for layer in self.model.layers:
             if layer.kind == "jet":
                 layer.self_attn.commit(fb.state_indices, accepted_nodes, num_accepted)
-            else:
+            elif prefix_lens is not None:
                 meta = fb.swa_kv if layer.kind == "swa" else fb.kv
                 layer.self_attn.commit(meta, prefix_lens, accepted_nodes, num_accepted)
 

@@ -10,8 +10,12 @@ speculative step at batch 1), not their bytes, so the roofline is far below ever
 A/B two versions of the package by running it twice, the other on PYTHONPATH (e.g. the session's starting tree
 exported to a folder): the figures repeat to within ~1% between runs on an H200 (session 46). On the CPU (no CUDA
 graphs) it times the same bodies eagerly with a host clock: a smoke test of the script, not a measurement.
-One JSON line per (batch size, graph) with --json.
-Usage: python bench/spec_graphs.py [--batch-sizes 1,8] [--reps 200] [--rounds 5] [--json FILE]
+One JSON line per (batch size, graph) with --json. `--profile N` then replays each graph N more times under the
+PyTorch profiler (CUDA only) and prints, per graph, its kernels per replay, the GPU's busy time (the union of kernel
+intervals: under programmatic dependent launch a kernel's interval includes its wait for the one before), the idle
+rest of the replay, and the kernels taking the most time; JETSERVE_PDL=0 gives each kernel's own time.
+Usage: python bench/spec_graphs.py [--batch-sizes 1,8] [--reps 200] [--rounds 5] [--profile N [--top 12]]
+       [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from jetserve.assets import resolve_checkpoint
 from jetserve.engine.bench_offline import bench_prompts, measure_copy_bandwidth
@@ -50,6 +55,28 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int, rounds: int)
                 fn()
             per_round.append((time.perf_counter() - begin) * 1e6 / reps)
     return statistics.median(per_round)
+
+
+def _profiled(fn: Callable[[], None], device: torch.device, reps: int, top: int) -> dict:
+    """Kernels per call of fn, the GPU's busy µs per call (the union of kernel intervals), and the `top` kernels by
+    time: (name, µs per call, launches per call)."""
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, end = 0.0, float("-inf")
+    by_name: dict[str, list[float]] = {}
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        start, stop = e.time_range.start, e.time_range.end
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+        by_name.setdefault(e.name, []).append(stop - start)
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return {"kernels": len(kernels) / reps, "busy_us": busy / reps,
+            "top": [(name, sum(times) / reps, len(times) / reps) for name, times in ranked]}  # fmt: skip
 
 
 def _nbytes(module: torch.nn.Module) -> int:
@@ -110,15 +137,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30, help="engine steps before timing (prefill, then decoding)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", type=int, default=0, help="replays of each graph under the profiler (CUDA only)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per profiled graph")
     p.add_argument("--json")
     args = p.parse_args()
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         p.error(f"--batch-sizes {args.batch_sizes!r}: want integers, comma-separated (e.g. 1,8)")
-    if min(batch_sizes) < 1 or args.reps < 1 or args.rounds < 1:
-        p.error("--batch-sizes, --reps and --rounds must be ≥ 1")
+    if min(batch_sizes) < 1 or args.reps < 1 or args.rounds < 1 or args.profile < 0:
+        p.error("--batch-sizes, --reps and --rounds must be ≥ 1, --profile ≥ 0")
     device = torch.device(args.device)
+    if args.profile and device.type != "cuda":
+        p.error("--profile times CUDA graphs' kernels: it needs a CUDA device")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     bandwidth = measure_copy_bandwidth(device) / 1e9  # GB/s
     out = open(args.json, "a") if args.json else None
@@ -131,10 +162,12 @@ def main() -> None:
         target, draft = _nbytes(runner.model), _nbytes(spec.draft.midlayer)
         head, fc = _nbytes(spec.draft.lm_head), _nbytes(spec.draft.fc)
         rows: list[tuple[str, float, int]] = []
+        bodies: list[tuple[str, Callable[[], None], float]] = []  # (graph, body, its µs) for --profile
         graphs = runner.graph_runner
         if graphs is not None:
-            rows.append(("decode", _timed(graphs.graphs[graphs.bucket(batch_size)].replay, device, args.reps,
-                                          args.rounds), target))  # fmt: skip
+            replay = graphs.graphs[graphs.bucket(batch_size)].replay
+            rows.append(("decode", _timed(replay, device, args.reps, args.rounds), target))
+            bodies.append(("decode", replay, rows[-1][1]))
         for shape, options in enumerate(spec.shapes):
             levels = options.num_draft_tokens - 1
             name = f"chain {levels}" if options.topk == 1 else f"tree {options.topk}x{options.num_steps}"
@@ -144,6 +177,7 @@ def main() -> None:
             draft_bytes = levels * head + (levels - 1) * draft
             rows += [(f"{name} draft", drafted, draft_bytes), (f"{name} verify", both - drafted, target + draft + fc),
                      (f"{name} draft + verify", both, draft_bytes + target + draft + fc)]  # fmt: skip
+            bodies += [(f"{name} draft", draft_only, drafted), (f"{name} draft + verify", draft_verify, both)]
         for graph, us, nbytes in rows:
             roofline = nbytes / (bandwidth * 1e3)  # µs
             print(f"{batch_size:5d}  {graph:22s} {us:9.2f} {roofline:9.2f}")
@@ -151,6 +185,16 @@ def main() -> None:
                 out.write(json.dumps({"batch_size": batch_size, "graph": graph, "us": round(us, 3),
                                       "roofline_us": round(roofline, 3), "bytes": nbytes, "device": str(device),
                                       "copy_bandwidth_gb_s": round(bandwidth, 1)}) + "\n")  # fmt: skip
+        for graph, body, us in bodies if args.profile else []:
+            prof = _profiled(body, device, args.profile, args.top)
+            print(
+                f"\nbatch {batch_size}, {graph} (profiled, {args.profile} replays): {prof['kernels']:.1f} kernels, "
+                f"GPU busy {prof['busy_us']:.1f} of {us:.1f} µs a replay (idle {us - prof['busy_us']:.1f})"
+            )
+            for kernel, kernel_us, calls in prof["top"]:
+                print(f"  {kernel[:72]:72s} {kernel_us:8.1f} µs {calls:5.1f} calls")
+            if out:
+                out.write(json.dumps({"batch_size": batch_size, "graph": graph, "profile": prof}) + "\n")
         del engine, spec, runner, graphs
         if device.type == "cuda":
             torch.cuda.empty_cache()

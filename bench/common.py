@@ -40,6 +40,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_verify,
 )
 from jetserve.ops.jet_mixer import decode as fused_mixer  # noqa: E402
+from jetserve.ops.jet_mixer import jet_mixer_commit  # noqa: E402
 from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
 from jetserve.ops.kv_metadata import kv_metadata  # noqa: E402
 from jetserve.ops.linear import gated_norm_linear, linear, logits_linear, swiglu_linear  # noqa: E402
@@ -207,6 +208,29 @@ def mixer_case(s: Shapes, dtype: torch.dtype, device: str, n: int, fused: bool) 
     # per copy: w2 and bias, the inputs and the output, both windows and both states read and written
     per_call = _nbytes(w2s[0], bias, u, h, q, k, a, b, u) + 2 * _nbytes(conv_state[1:], state[1:])
     return lambda: [one(w2) for w2 in w2s], copies * per_call, copies * (2 * n * G * D * W + 6 * n * H * K * V)
+
+
+def mixer_commit_case(s: Shapes, dtype: torch.dtype, device: str, n: int, nodes: int, chain: bool) -> Case:
+    """A JetBlock's commit after verifying n trees of `nodes` (`ops.jet_mixer.jet_mixer_commit`: the conv window and
+    the recurrent state in one launch on the Triton backend); bytes and flops the two commits' together."""
+    H, K, V, W = s.jet_heads, s.key_dim, s.value_dim, s.conv
+    T = n * nodes
+    _, k, _, u, a, b, _ = jet_projection(s, T, dtype, device)  # k [T, H, K], u [T, H*V], a, b [T, H]
+    v = _randn(T, H, V, dtype=dtype, device=device)  # the conv's output: contiguous
+    A_log = torch.empty(H, device=device).uniform_(0, 2.7)
+    dt_bias = torch.empty(H, device=device).uniform_(-4, -1)
+    conv_state = _randn(n + 1, W - 1, s.channels, dtype=dtype, device=device)
+    state = _randn(n + 1, H, K, V, dtype=torch.float32, device=device, scale=0.1)
+    idx = _slots(n, device)
+    accepted, num = accepted_path(n, nodes, chain, device)
+    count = int(num[0])
+    window_bytes = n * (count + max(0, W - 1 - count)) * _nbytes(u[0]) + _nbytes(conv_state[1:])
+    state_bytes = _nbytes(k, v, a, b) // nodes * count + 2 * _nbytes(state[1:])
+    return (
+        lambda: jet_mixer_commit(u, conv_state, k, v, a, b, A_log, dt_bias, state, idx, accepted, num),
+        window_bytes + state_bytes,
+        6 * n * count * H * K * V,
+    )
 
 
 def feature_ring_case(s: Shapes, dtype: torch.dtype, device: str, n: int) -> Case:
@@ -569,6 +593,9 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
                 cases[f"gated_delta_rule {kind} {label} N={n}"] = lambda n=n, nodes=nodes, chain=chain, kind=kind: (
                     gdr_cases(s, dtype, device, kind, n, nodes, chain)
                 )
+            cases[f"jet_mixer commit {label} N={n}"] = lambda n=n, nodes=nodes, chain=chain: mixer_commit_case(
+                s, dtype, device, n, nodes, chain
+            )
         cases[f"attention verify chain6 N={n} ctx={context}"] = lambda n=n: attention_cases(
             s, dtype, device, "verify", n, context, nodes=7
         )

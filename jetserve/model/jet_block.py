@@ -10,19 +10,17 @@ from jetserve.model.forward_batch import ForwardBatch, Phase
 from jetserve.model.fusion import InputProjections
 from jetserve.model.layers import Linear, Output
 from jetserve.ops.dynamic_conv import (
-    dynamic_conv_commit,
     dynamic_conv_decode,
     dynamic_conv_prefill,
     dynamic_conv_verify,
 )
 from jetserve.ops.gated_delta_rule import (
     decode_takes_norm,
-    gated_delta_rule_commit,
     gated_delta_rule_decode_norm,
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
-from jetserve.ops.jet_mixer import jet_mixer_decode
+from jetserve.ops.jet_mixer import jet_mixer_commit, jet_mixer_decode
 from jetserve.ops.linear import GEMV_MAX_ROWS
 from jetserve.ops.linear.reference import AddNorm
 
@@ -126,7 +124,5 @@ class JetBlock(InputProjections, nn.Module):
         VERIFY step (`accepted_nodes` [N, T_d] root first, `num_accepted` [N]); no-op rows have num_accepted 0."""
         assert self.verify_inputs is not None, f"layer {self.layer_id}: commit without a VERIFY step"
         u, k, v, a, b = self.verify_inputs
-        dynamic_conv_commit(u, self.conv_state, state_indices, accepted_nodes, num_accepted)
-        gated_delta_rule_commit(
-            k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, state_indices, accepted_nodes, num_accepted
-        )
+        jet_mixer_commit(u, self.conv_state, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state, state_indices,
+                         accepted_nodes, num_accepted)  # fmt: skip

@@ -220,11 +220,19 @@ def gated_delta_rule_commit_kernel(
     stride_b_t,
     stride_s,
     T_d,
+    u,  # CONV: [N*T_d, H*V], the conv's raw inputs of the verify step
+    conv_state,  # CONV: [S, W-1, H*V], the conv windows
+    stride_u,
+    stride_c_slot,
+    stride_c_row,
     K: tl.constexpr,
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     EPS: tl.constexpr,
+    CONV: tl.constexpr = False,  # also shift the conv window of this program's channels (head i_h, its V tile)
+    W: tl.constexpr = 1,  # CONV: the conv's width
+    WP: tl.constexpr = 1,  # CONV: next power of two >= W-1
 ):
     i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num = tl.load(num_accepted + i_n)
@@ -236,6 +244,18 @@ def gated_delta_rule_commit_kernel(
         slot = tl.load(state_indices + i_n).to(tl.int64)
         p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
         row = i_n.to(tl.int64) * T_d
+        if CONV:  # new window row r = entry num + r of (old window ++ u of the accepted nodes), read before the walk
+            o_c = i_h * V + o_v  # the value channels this program's V tile covers
+            o_r = tl.arange(0, WP)
+            m_r = o_r < W - 1
+            o_q = num + o_r
+            from_u = o_q >= W - 1
+            node = tl.load(accepted_nodes + row + o_q - (W - 1), mask=m_r & from_u, other=0)
+            p_win = conv_state + slot * stride_c_slot + o_c[None, :]
+            b_new = tl.load(u + (row + node)[:, None] * stride_u + o_c[None, :],
+                            mask=(m_r & from_u)[:, None] & m_v[None, :])  # fmt: skip
+            b_old = tl.load(p_win + o_q[:, None] * stride_c_row, mask=(m_r & ~from_u)[:, None] & m_v[None, :])
+            b_win = tl.where(from_u[:, None], b_new.to(conv_state.dtype.element_ty), b_old)
         # the path's next node's inputs are loaded while this node's step runs
         b_k1, _, b_v1, b_a1, b_b1 = _node_inputs(k, k, v, a, b, row + tl.load(accepted_nodes + row), i_h, 0, 0,
                                                  stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t,
@@ -252,6 +272,9 @@ def gated_delta_rule_commit_kernel(
             b_g, b_beta = gates(b_a, b_b, b_A_log, b_dt_bias)
             b_s = delta_step(b_s, b_k, b_v, b_g, b_beta)
         tl.store(p_s, b_s, mask=m_s)
+        if CONV:
+            tl.debug_barrier()  # every thread's window loads done before any row is overwritten
+            tl.store(p_win + o_r[:, None] * stride_c_row, b_win, mask=m_r[:, None] & m_v[None, :])
 
 
 def gated_delta_rule_verify(
@@ -320,10 +343,13 @@ def gated_delta_rule_commit(
     *,
     block_v: int | None = None,
     num_warps: int | None = None,
+    conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Advance `state[state_indices[i]]` along nodes `accepted_nodes[i, :num_accepted[i]]` (root first) of the verify
     step's k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]`; the slot is written once, and not at all when
-    `num_accepted[i] = 0`. Grid (N, H, V / block_v); block_v and num_warps default to `commit_tiles`."""
+    `num_accepted[i] = 0`. Grid (N, H, V / block_v); block_v and num_warps default to `commit_tiles`. `conv` = (u
+    `[T, H*V]`, conv_state `[S, W-1, H*V]`, validated by the caller: `jet_mixer_commit`): the same launch also does
+    `dynamic_conv_commit(u, conv_state, ...)`, each program the window of the channels its head and V tile cover."""
     check_heads(None, k, v, a, b)
     check_state(state, k, v)
     check_gate_params(A_log, dt_bias, k)
@@ -339,29 +365,15 @@ def gated_delta_rule_commit(
     BV, warps = block_v or BV, num_warps or warps
     if N == 0:
         return
+    if conv is None:
+        u, conv_state, conv_args = k, state, dict(CONV=False)  # unused
+    else:
+        u, conv_state = unit_last_stride(conv[0]), conv[1]
+        width = conv_state.shape[1] + 1
+        conv_args = dict(CONV=True, W=width, WP=triton.next_power_of_2(width - 1))
     gated_delta_rule_commit_kernel[(N, k.shape[1], triton.cdiv(V, BV))](
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        state,
-        state_indices,
-        accepted_nodes.to(torch.int32).contiguous(),
-        num_accepted.to(torch.int32).contiguous(),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        a.stride(0),
-        b.stride(0),
-        state.stride(0),
-        T_d,
-        K=K,
-        V=V,
-        BK=BK,
-        BV=BV,
-        EPS=L2NORM_EPS,
-        num_warps=warps,
-    )
+        k, v, a, b, A_log, dt_bias, state, state_indices, accepted_nodes.to(torch.int32).contiguous(),
+        num_accepted.to(torch.int32).contiguous(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
+        b.stride(0), state.stride(0), T_d, u, conv_state, u.stride(0), conv_state.stride(0), conv_state.stride(1),
+        K=K, V=V, BK=BK, BV=BV, EPS=L2NORM_EPS, num_warps=warps, **conv_args,
+    )  # fmt: skip

@@ -51,3 +51,35 @@ def one_after_the_other(conv_decode, delta_decode, u, h, w2_weight, w2_bias, con
     v = conv_decode(u, h, w2_weight, w2_bias, conv_state, state_indices)  # [N, H*V]
     v = v.view(u.shape[0], num_heads, head_v)  # [N, H, V]
     return delta_decode(q, k, v, a, b, A_log, dt_bias, state, state_indices, scale)
+
+
+def jet_mixer_commit(
+    u: torch.Tensor,
+    conv_state: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """After a VERIFY step, a JetBlock's whole commit: `dynamic_conv_commit(u, conv_state, state_indices,
+    accepted_nodes, num_accepted)` (u [T, H*V] the conv's raw inputs, conv_state [S, W-1, H*V]), then
+    `gated_delta_rule_commit(k, v, a, b, A_log, dt_bias, state, state_indices, accepted_nodes, num_accepted)` (k
+    [T, H, K], v [T, H, V]); both in place, a row with num_accepted 0 left as it is."""
+    check_commit_channels(u, k, v)
+    conv.dynamic_conv_commit(u, conv_state, state_indices, accepted_nodes, num_accepted)
+    delta.gated_delta_rule_commit(k, v, a, b, A_log, dt_bias, state, state_indices, accepted_nodes, num_accepted)
+
+
+def check_commit_channels(u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """u's channels are the heads' values, head-major (the conv's output viewed as [T, H, V] is v)."""
+    if v.dim() != 3 or u.dim() != 2 or u.shape != (v.shape[0], v.shape[1] * v.shape[2]) or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"jet_mixer_commit: u {tuple(u.shape)} must be [T, H*V] for v {tuple(v.shape)} [T, H, V], k "
+            f"{tuple(k.shape)} [T, H, K]"
+        )

@@ -21,6 +21,7 @@ Usage: python bench/spec_graphs.py [--batch-sizes 1,8] [--reps 200] [--rounds 5]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -130,6 +131,50 @@ def _bodies(engine: LLMEngine, batch_size: int, shape: int) -> tuple[Callable[[]
     return draft_eager, draft_verify_eager
 
 
+def _measure(
+    batch_size: int, args: argparse.Namespace, device: torch.device, dtype: str, bandwidth: float, out
+) -> None:
+    """Time (and with --profile, profile) every graph of an engine at `batch_size`; the engine is freed on return."""
+    engine = _engine(batch_size, args.device, dtype, args.steps)
+    spec, runner = engine.spec, engine.runner
+    target, draft = _nbytes(runner.model), _nbytes(spec.draft.midlayer)
+    head, fc = _nbytes(spec.draft.lm_head), _nbytes(spec.draft.fc)
+    rows: list[tuple[str, float, int]] = []
+    bodies: list[tuple[str, Callable[[], None], float]] = []  # (graph, body, its µs) for --profile
+    graphs = runner.graph_runner
+    if graphs is not None:
+        replay = graphs.graphs[graphs.bucket(batch_size)].replay
+        rows.append(("decode", _timed(replay, device, args.reps, args.rounds), target))
+        bodies.append(("decode", replay, rows[-1][1]))
+    for shape, options in enumerate(spec.shapes):
+        levels = options.num_draft_tokens - 1
+        name = f"chain {levels}" if options.topk == 1 else f"tree {options.topk}x{options.num_steps}"
+        draft_only, draft_verify = _bodies(engine, batch_size, shape)
+        drafted = _timed(draft_only, device, args.reps, args.rounds)
+        both = _timed(draft_verify, device, args.reps, args.rounds)
+        draft_bytes = levels * head + (levels - 1) * draft
+        rows += [(f"{name} draft", drafted, draft_bytes), (f"{name} verify", both - drafted, target + draft + fc),
+                 (f"{name} draft + verify", both, draft_bytes + target + draft + fc)]  # fmt: skip
+        bodies += [(f"{name} draft", draft_only, drafted), (f"{name} draft + verify", draft_verify, both)]
+    for graph, us, nbytes in rows:
+        roofline = nbytes / (bandwidth * 1e3)  # µs
+        print(f"{batch_size:5d}  {graph:22s} {us:9.2f} {roofline:9.2f}")
+        if out:
+            out.write(json.dumps({"batch_size": batch_size, "graph": graph, "us": round(us, 3),
+                                  "roofline_us": round(roofline, 3), "bytes": nbytes, "device": str(device),
+                                  "copy_bandwidth_gb_s": round(bandwidth, 1)}) + "\n")  # fmt: skip
+    for graph, body, us in bodies if args.profile else []:
+        prof = _profiled(body, device, args.profile, args.top)
+        print(
+            f"\nbatch {batch_size}, {graph} (profiled, {args.profile} replays): {prof['kernels']:.1f} kernels, "
+            f"GPU busy {prof['busy_us']:.1f} of {us:.1f} µs a replay (idle {us - prof['busy_us']:.1f})"
+        )
+        for kernel, kernel_us, calls in prof["top"]:
+            print(f"  {kernel[:72]:72s} {kernel_us:8.1f} µs {calls:5.1f} calls")
+        if out:
+            out.write(json.dumps({"batch_size": batch_size, "graph": graph, "profile": prof}) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,8")
@@ -157,45 +202,8 @@ def main() -> None:
     print(f"{clock}; copy bandwidth {bandwidth:.0f} GB/s; µs a replay (roofline µs)")
     print(f"{'batch':>5s}  {'graph':22s} {'µs':>9s} {'roofline':>9s}")
     for batch_size in batch_sizes:
-        engine = _engine(batch_size, args.device, dtype, args.steps)
-        spec, runner = engine.spec, engine.runner
-        target, draft = _nbytes(runner.model), _nbytes(spec.draft.midlayer)
-        head, fc = _nbytes(spec.draft.lm_head), _nbytes(spec.draft.fc)
-        rows: list[tuple[str, float, int]] = []
-        bodies: list[tuple[str, Callable[[], None], float]] = []  # (graph, body, its µs) for --profile
-        graphs = runner.graph_runner
-        if graphs is not None:
-            replay = graphs.graphs[graphs.bucket(batch_size)].replay
-            rows.append(("decode", _timed(replay, device, args.reps, args.rounds), target))
-            bodies.append(("decode", replay, rows[-1][1]))
-        for shape, options in enumerate(spec.shapes):
-            levels = options.num_draft_tokens - 1
-            name = f"chain {levels}" if options.topk == 1 else f"tree {options.topk}x{options.num_steps}"
-            draft_only, draft_verify = _bodies(engine, batch_size, shape)
-            drafted = _timed(draft_only, device, args.reps, args.rounds)
-            both = _timed(draft_verify, device, args.reps, args.rounds)
-            draft_bytes = levels * head + (levels - 1) * draft
-            rows += [(f"{name} draft", drafted, draft_bytes), (f"{name} verify", both - drafted, target + draft + fc),
-                     (f"{name} draft + verify", both, draft_bytes + target + draft + fc)]  # fmt: skip
-            bodies += [(f"{name} draft", draft_only, drafted), (f"{name} draft + verify", draft_verify, both)]
-        for graph, us, nbytes in rows:
-            roofline = nbytes / (bandwidth * 1e3)  # µs
-            print(f"{batch_size:5d}  {graph:22s} {us:9.2f} {roofline:9.2f}")
-            if out:
-                out.write(json.dumps({"batch_size": batch_size, "graph": graph, "us": round(us, 3),
-                                      "roofline_us": round(roofline, 3), "bytes": nbytes, "device": str(device),
-                                      "copy_bandwidth_gb_s": round(bandwidth, 1)}) + "\n")  # fmt: skip
-        for graph, body, us in bodies if args.profile else []:
-            prof = _profiled(body, device, args.profile, args.top)
-            print(
-                f"\nbatch {batch_size}, {graph} (profiled, {args.profile} replays): {prof['kernels']:.1f} kernels, "
-                f"GPU busy {prof['busy_us']:.1f} of {us:.1f} µs a replay (idle {us - prof['busy_us']:.1f})"
-            )
-            for kernel, kernel_us, calls in prof["top"]:
-                print(f"  {kernel[:72]:72s} {kernel_us:8.1f} µs {calls:5.1f} calls")
-            if out:
-                out.write(json.dumps({"batch_size": batch_size, "graph": graph, "profile": prof}) + "\n")
-        del engine, spec, runner, graphs
+        _measure(batch_size, args, device, dtype, bandwidth, out)
+        gc.collect()  # the engine's reference cycles, before the next engine plans its memory
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -11,6 +11,23 @@ from jetserve.ops.layout import dense
 
 
 @triton.jit
+def window_after_commit(u, p_window, accepted_row, row, count, o_c, m_c, stride_u, stride_row, W: tl.constexpr,
+                        WP: tl.constexpr):  # fmt: skip
+    """The new window `[WP, BC]` (rows past W-1 masked) of channels o_c of one sequence: row r is entry count + r of
+    (old window ++ u of its accepted nodes). p_window points at the slot's row 0 of those channels, accepted_row at
+    the sequence's accepted nodes, `row` is its first token's row in u. Only loads: the caller stores it (after a
+    barrier, since other threads may still read the rows it overwrites)."""
+    o_r = tl.arange(0, WP)
+    m_r = o_r < W - 1
+    o_q = count + o_r
+    from_u = o_q >= W - 1
+    node = tl.load(accepted_row + o_q - (W - 1), mask=m_r & from_u, other=0)
+    new_u = tl.load(u + (row + node)[:, None] * stride_u + o_c[None, :], mask=(m_r & from_u)[:, None] & m_c[None, :])
+    old = tl.load(p_window + o_q[:, None] * stride_row, mask=(m_r & ~from_u)[:, None] & m_c[None, :])
+    return tl.where(from_u[:, None], new_u.to(p_window.dtype.element_ty), old)
+
+
+@triton.jit
 def _commit_kernel(
     u,  # [N*T_d, D]
     conv_state,  # [S, W-1, D]
@@ -26,28 +43,21 @@ def _commit_kernel(
     WP: tl.constexpr,  # next power of two >= W-1
     BD: tl.constexpr,
 ):
-    # Program (i_n, i_d) owns sequence i_n's window in channels [i_d*BD, (i_d+1)*BD). New row r is entry
-    # num_accepted + r of (old window ++ accepted inputs); all of it is read before any of it is written.
+    # Program (i_n, i_d) owns sequence i_n's window in channels [i_d*BD, (i_d+1)*BD); all of it is read before any of
+    # it is written.
     i_n = tl.program_id(0)
     i_d = tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < num_channels
     o_r = tl.arange(0, WP)
-    m_r = o_r < W - 1
     slot = tl.load(state_indices + i_n).to(tl.int64)
     count = tl.load(num_accepted + i_n)
-    o_q = count + o_r
-    from_u = o_q >= W - 1
     seq_first = i_n.to(tl.int64) * num_nodes
-    node = tl.load(accepted_nodes + seq_first + o_q - (W - 1), mask=m_r & from_u, other=0)
     p_window = conv_state + slot * stride_slot + o_d[None, :]
-    new_u = tl.load(
-        u + (seq_first + node)[:, None] * stride_u + o_d[None, :], mask=(m_r & from_u)[:, None] & m_d[None, :]
-    )
-    old = tl.load(p_window + o_q[:, None] * stride_row, mask=(m_r & ~from_u)[:, None] & m_d[None, :])
-    new = tl.where(from_u[:, None], new_u.to(conv_state.dtype.element_ty), old)
+    new = window_after_commit(u, p_window, accepted_nodes + seq_first, seq_first, count, o_d, m_d, stride_u,
+                              stride_row, W, WP)  # fmt: skip
     tl.debug_barrier()
-    tl.store(p_window + o_r[:, None] * stride_row, new, mask=m_r[:, None] & m_d[None, :])
+    tl.store(p_window + o_r[:, None] * stride_row, new, mask=(o_r < W - 1)[:, None] & m_d[None, :])
 
 
 def dynamic_conv_commit(

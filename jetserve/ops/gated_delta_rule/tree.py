@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from jetserve.ops.backend import sm_count
+from jetserve.ops.dynamic_conv.commit import window_after_commit
 from jetserve.ops.gated_delta_rule.reference import (
     L2NORM_EPS,
     check_gate_params,
@@ -244,18 +245,10 @@ def gated_delta_rule_commit_kernel(
         slot = tl.load(state_indices + i_n).to(tl.int64)
         p_s = state + slot * stride_s + i_h * (K * V) + o_k[:, None] * V + o_v[None, :]
         row = i_n.to(tl.int64) * T_d
-        if CONV:  # new window row r = entry num + r of (old window ++ u of the accepted nodes), read before the walk
-            o_c = i_h * V + o_v  # the value channels this program's V tile covers
-            o_r = tl.arange(0, WP)
-            m_r = o_r < W - 1
-            o_q = num + o_r
-            from_u = o_q >= W - 1
-            node = tl.load(accepted_nodes + row + o_q - (W - 1), mask=m_r & from_u, other=0)
-            p_win = conv_state + slot * stride_c_slot + o_c[None, :]
-            b_new = tl.load(u + (row + node)[:, None] * stride_u + o_c[None, :],
-                            mask=(m_r & from_u)[:, None] & m_v[None, :])  # fmt: skip
-            b_old = tl.load(p_win + o_q[:, None] * stride_c_row, mask=(m_r & ~from_u)[:, None] & m_v[None, :])
-            b_win = tl.where(from_u[:, None], b_new.to(conv_state.dtype.element_ty), b_old)
+        if CONV:  # the conv's new window of the value channels this program's V tile covers, read before the walk
+            p_win = conv_state + slot * stride_c_slot + (i_h * V + o_v)[None, :]
+            b_win = window_after_commit(u, p_win, accepted_nodes + row, row, num, i_h * V + o_v, m_v, stride_u,
+                                        stride_c_row, W, WP)  # fmt: skip
         # the path's next node's inputs are loaded while this node's step runs
         b_k1, _, b_v1, b_a1, b_b1 = _node_inputs(k, k, v, a, b, row + tl.load(accepted_nodes + row), i_h, 0, 0,
                                                  stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t,
@@ -274,7 +267,8 @@ def gated_delta_rule_commit_kernel(
         tl.store(p_s, b_s, mask=m_s)
         if CONV:
             tl.debug_barrier()  # every thread's window loads done before any row is overwritten
-            tl.store(p_win + o_r[:, None] * stride_c_row, b_win, mask=m_r[:, None] & m_v[None, :])
+            o_r = tl.arange(0, WP)
+            tl.store(p_win + o_r[:, None] * stride_c_row, b_win, mask=(o_r < W - 1)[:, None] & m_v[None, :])
 
 
 def gated_delta_rule_verify(

@@ -101,7 +101,7 @@ class FreshExplorationPolicy(AdaptivePolicy):
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
         if best_before is not None and option >= 0:  # an exploration of a draft shape
             self.recent_accepted[option] = collections.deque()
-            self.accepted_totals[option] = [0, 0]
+            self.accepted_totals[option] = [0, 0, 0]
         return super()._start_run(bucket, option, step, until, best_before)
 
 

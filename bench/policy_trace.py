@@ -3,15 +3,20 @@ first turns (at most the batch size at a time, each to its end of turn), every c
 time it recorded, summed up per option: the share of choices, the timed steps (count, median, 10th and 90th
 percentiles), the longest run of choices, and how often the best option (by the policy's own estimate after each
 timed step) changed; beside it, the speed-up over a plain run of the same requests. `--policies` A/Bs policies in
-one process: each round runs plain decoding, then each policy once, a fresh instance in place of the engine's
-(`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy`, `FreshExplorationPolicy` or `BoundedExplorationPolicy`,
-bench/policy_sim.py's candidates; or module:Class).
+one process: each round runs plain decoding and each policy once, in an order that rotates from round to round (the
+GPU machine's host changes speed between stretches of a few seconds: session 48 measured 0.79x and 1.12x for a policy
+that always answers plain, one round each). Each policy is one instance for all rounds, in place of the engine's
+while it runs, as an engine keeps its own (`--fresh-policy`: a new one each round, every bucket measured afresh):
+`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy`, `FreshExplorationPolicy` or `BoundedExplorationPolicy`,
+bench/policy_sim.py's candidates; or module:Class. The speed-up is over all rounds (decode tokens over decode-step
+seconds, each against plain's); the median and spread of the rounds' own speed-ups beside it.
 `--forced-acceptance wrong` makes every draft wrong (τ = 1), where a verify step should only be chosen to explore;
 `right` makes every draft right. Runs on a GPU (bf16, CUDA graphs, overlap scheduling: what `jetserve bench offline`
 measures) or, slowly, on the CPU (fp32). There is no roofline: the figures are the policy's choices and the
 host-timed steps it judged from. One JSON line per batch size and policy with --json.
 Usage: python bench/policy_trace.py [--batch-sizes 1,8] [--forced-acceptance wrong] [--num-prompts 80]
-       [--output-len 128] [--policies AdaptivePolicy,ConfirmedSwitchPolicy] [--rounds 2] [--json FILE]
+       [--output-len 128] [--policies AdaptivePolicy,ConfirmedSwitchPolicy] [--rounds 2] [--fresh-policy]
+       [--json FILE]
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ def main() -> None:
     p.add_argument("--policies", default="AdaptivePolicy", help="comma-separated: AdaptivePolicy, "
                    "ConfirmedSwitchPolicy, FreshExplorationPolicy, BoundedExplorationPolicy, module:Class")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--fresh-policy", action="store_true", help="a new policy instance each round")
     p.add_argument("--json", help="append one JSON line per batch size and policy to this file")
     args = p.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -103,40 +109,50 @@ def main() -> None:
               f"{'p90':>7} {'longest run':>12}")  # fmt: skip
     for batch_size in batch_sizes:
         prompts = bench_prompts(engine, "mtbench", batch_size, 4096, 0, args.num_prompts)
-        plain_tokens = plain_seconds = 0.0
-        spec_totals = {name: [0.0, 0.0] for name in policies}  # name → decode tokens, seconds
-        traces = {name: [] for name in policies}  # name → one PolicyTrace per round
+        # The drafts' reference (forced acceptance): the greedy continuation of each prompt, from a plain run first.
+        engine.set_speculation(False)
+        reference = _run(engine, prompts, params, f"reference{batch_size}", batch_size).outputs
+        totals = {name: [[], []] for name in ["plain", *policies]}  # name → per round: decode tokens, seconds
+        traces = {name: [] for name in policies}  # name → one PolicyTrace per instance
+        instances: dict[str, AdaptivePolicy] = {}
         for r in range(args.rounds):
-            engine.set_speculation(False)
-            plain = _run(engine, prompts, params, f"plain{batch_size}-{r}", batch_size)
-            plain_tokens += plain.decode_tokens
-            plain_seconds += sum(plain.decode_step_seconds)
-            engine.set_speculation(True)
-            for name, policy_cls in policies.items():
+            order = ["plain", *policies]
+            for name in order[r % len(order) :] + order[: r % len(order)]:
                 label = f"{name}{batch_size}-{r}"
-                # The drafts' reference (forced acceptance): the plain run's greedy continuation of each prompt.
-                for i, (prompt, out) in enumerate(zip(prompts, plain.outputs, strict=True)):
-                    spec.forced_continuations[f"{label}-{i}"] = prompt + out
-                spec.policy = policy_cls(spec.shapes, engine.config.spec_adaptive)
-                traces[name].append(PolicyTrace(spec.policy))
+                engine.set_speculation(name != "plain")
+                if name != "plain":
+                    for i, (prompt, out) in enumerate(zip(prompts, reference, strict=True)):
+                        spec.forced_continuations[f"{label}-{i}"] = prompt + out
+                    if args.fresh_policy or name not in instances:
+                        instances[name] = policies[name](spec.shapes, engine.config.spec_adaptive)
+                        traces[name].append(PolicyTrace(instances[name]))
+                    spec.policy = instances[name]
                 run = _run(engine, prompts, params, label, batch_size)
-                spec_totals[name][0] += run.decode_tokens
-                spec_totals[name][1] += sum(run.decode_step_seconds)
+                totals[name][0].append(run.decode_tokens)
+                totals[name][1].append(sum(run.decode_step_seconds))
         print(header)
-        plain_tok_s = plain_tokens / max(plain_seconds, 1e-12)
+        plain_tokens, plain_seconds = totals["plain"]
+        plain_rates = [t / max(s, 1e-12) for t, s in zip(plain_tokens, plain_seconds, strict=True)]
+        plain_tok_s = sum(plain_tokens) / max(sum(plain_seconds), 1e-12)
         for name in policies:
-            tokens, seconds = spec_totals[name]
-            speedup = tokens / max(seconds, 1e-12) / plain_tok_s if plain_tok_s > 0 else None
+            tokens, seconds = totals[name]
+            speedup = sum(tokens) / max(sum(seconds), 1e-12) / plain_tok_s if plain_tok_s > 0 else None
+            per_round = sorted(t / max(s, 1e-12) / p for t, s, p in zip(tokens, seconds, plain_rates, strict=True))
             summary = {"batch_size": batch_size, "policy": name, "forced": args.forced_acceptance,
-                       "rounds": args.rounds, "speedup": round(speedup, 4) if speedup else None,
+                       "rounds": args.rounds, "fresh_policy": args.fresh_policy,
+                       "speedup": round(speedup, 4) if speedup else None,
+                       "round_speedups": [round(x, 4) for x in per_round],
+                       "plain_ms_per_token": round(1e3 / plain_tok_s, 4) if plain_tok_s > 0 else None,
                        **summarize(traces[name], names)}  # fmt: skip
             for option, row in summary["options"].items():
                 cells = [f"{row[k]:.3f}" if row[k] is not None else "-" for k in ("median_ms", "p10_ms", "p90_ms")]
                 print(f"{batch_size:>5} {name:>22} {option:>8} {row['share']:>6.1%} {row['timed']:>6} {cells[0]:>10} "
                       f"{cells[1]:>7} {cells[2]:>7} {row['longest_run']:>12}")  # fmt: skip
             print(
-                f"{batch_size:>5} {name:>22}: speed-up {summary['speedup']}x over plain decoding, "
-                f"{summary['choices']} choices, the best option changed {summary['best_changes']} times"
+                f"{batch_size:>5} {name:>22}: speed-up {summary['speedup']}x over plain decoding (rounds: median "
+                f"{statistics.median(per_round):.3f}x, {per_round[0]:.3f}-{per_round[-1]:.3f}x; plain "
+                f"{summary['plain_ms_per_token']} ms a token), {summary['choices']} choices, the best option changed "
+                f"{summary['best_changes']} times"
             )
             if args.json:
                 with open(args.json, "a") as f:

@@ -135,6 +135,13 @@ class AdaptivePolicy:
     Plain decoding is always an option, so (up to the exploration steps and the draft's catch-up) speculation never
     makes decoding slower. Without `adaptive`, the largest shape is always chosen (then the smaller, then none, as
     room allows).
+
+    A chain that cannot win is not run at all (`cannot_win`): a chain of depth D drafts every shorter chain's D_p
+    levels first, so with a shorter chain's measured m_p = E[min(a, D_p)] and f_p = P(a ≥ D_p) it yields at most
+    1 + m_p + (D − D_p) · f_p tokens a step, in no less time than the shorter chain's step. A bucket's first
+    measurement therefore runs the shortest chain, then plain decoding, and only then a longer chain whose bound
+    still beats the best rate (`first_measurement_order`); explorations skip it likewise. With every draft wrong
+    (f_p = 0) only the shortest chain is ever verified.
     """
 
     max_explore_every = MAX_EXPLORE_EVERY  # the longest exploration interval (a class attribute: variants set theirs)
@@ -148,9 +155,10 @@ class AdaptivePolicy:
         self.last_used: dict[tuple[int, int], int] = {}  # (option, bucket) → the bucket's step it was last timed at
         self.bucket_steps: dict[int, int] = {}
         self.mean_accepted: list[float | None] = [None] * len(shapes)  # accepted drafts per sequence-round
-        # per option, its verify steps that hold its last ACCEPT_WINDOW_DRAFTS drafts: (drafts accepted, drafts)
+        # per option, its verify steps that hold its last ACCEPT_WINDOW_DRAFTS drafts: (drafts accepted, drafts, drafts
+        # accepted whole)
         self.recent_accepted: list[collections.deque] = [collections.deque() for _ in shapes]
-        self.accepted_totals = [[0, 0] for _ in shapes]  # per option: (drafts accepted, drafts) over recent_accepted
+        self.accepted_totals = [[0, 0, 0] for _ in shapes]  # per option: the sums of recent_accepted's three counts
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
         self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
@@ -185,11 +193,13 @@ class AdaptivePolicy:
             run.num_chosen += 1
             return run.option
         self.runs.pop(bucket, None)
-        if bucket not in self.measured:  # each option in turn, largest shape first, until it has MIN_SAMPLES
+        if bucket not in self.measured:  # each option in turn until it has MIN_SAMPLES (`first_measurement_order`)
             tried = self.tried.setdefault(bucket, set())
-            for option in self.options:
-                if option not in tried and self.num_timed[(option, bucket)] < MIN_SAMPLES:
-                    tried.add(option)
+            for option in self.first_measurement_order():
+                if option in tried or self.num_timed[(option, bucket)] >= MIN_SAMPLES:
+                    continue
+                tried.add(option)
+                if not self.cannot_win(option, bucket):
                     return self._start_run(bucket, option, step, until=MIN_SAMPLES)
             self.measured.add(bucket)
         if step < self.plain_until.get(bucket, 0):
@@ -212,9 +222,46 @@ class AdaptivePolicy:
         return best
 
     def _explorable(self, bucket: int, best: int) -> list[int]:
-        """The options an exploration of `bucket` picks from (the least recently timed of them): every option; a
-        variant may narrow the choice."""
-        return self.options
+        """The options an exploration of `bucket` picks from (the least recently timed of them): every one that could
+        win (`cannot_win`); a variant may narrow the choice further."""
+        return [c for c in self.options if not self.cannot_win(c, bucket)]
+
+    def first_measurement_order(self) -> list[int]:
+        """The order a bucket first measures its options in: a chain after every shorter chain and plain decoding,
+        so that what they measured can rule it out (`cannot_win`) before it runs; other shapes largest first (as
+        configured), then the shorter chains, then plain decoding, then the longer chains."""
+        chains = sorted((i for i, s in enumerate(self.shapes) if s.topk == 1), key=lambda i: self.shapes[i].max_depth)
+        trees = [i for i, s in enumerate(self.shapes) if s.topk != 1]
+        return [*trees, *chains[:1], -1, *chains[1:]]
+
+    def cannot_win(self, option: int, bucket: int) -> bool:
+        """Whether chain `option` is sure to yield fewer tokens a second at `bucket` than the best option timed there,
+        from what a shorter chain measured: a chain of depth D verifies a shorter chain's D_p levels first, so it
+        accepts at most m_p + (D − D_p) · f_p drafts a step (m_p = E[min(a, D_p)], f_p = P(a ≥ D_p), taken with one
+        more whole acceptance than seen: a draft that accepts rarely is not ruled out by a few steps), and its step
+        takes no less than the shorter chain's (or its own, where that is less: a median taken in a slow stretch of
+        the host must not keep it from being timed again). False for plain decoding, a tree, a chain
+        with no shorter chain measured, or a bucket with nothing timed."""
+        if option < 0 or self.shapes[option].topk != 1:
+            return False
+        seconds = self.step_seconds
+        timed = [c for c in self.options if (c, bucket) in seconds]
+        if not timed:
+            return False
+        best_rate = max(self.tokens_per_step(c) / seconds[(c, bucket)] for c in timed)
+        depth = self.shapes[option].max_depth
+        for p, prefix in enumerate(self.shapes):
+            accepted, drafts, whole = self.accepted_totals[p]
+            if prefix.topk != 1 or prefix.max_depth >= depth or drafts == 0:
+                continue
+            lower = seconds.get((p, bucket))
+            if lower is None:
+                continue
+            lower = min(lower, seconds.get((option, bucket), lower))  # the smaller: either may be a slow stretch's
+            bound = 1.0 + accepted / drafts + (depth - prefix.max_depth) * (whole + 1) / (drafts + 1)
+            if bound / lower < best_rate:
+                return True
+        return False
 
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
         self.runs[bucket] = _Run(option, until, step, best_before)
@@ -228,17 +275,17 @@ class AdaptivePolicy:
         return max(timed, key=lambda c: self.tokens_per_step(c) / seconds[(c, bucket)], default=-1)
 
     def budget_steps(self, bucket: int, best: int) -> int:
-        """Steps between explorations of `bucket` that keep the costliest one within EXPLORE_BUDGET of the time the
-        best option takes over them (at most MAX_EXPLORE_EVERY). An exploration runs option c for about
-        EXPLORE_SAMPLES + 1 steps (one not timed), each costing t_c less the best option's time for c's tokens,
-        t_best · τ_c / τ_best."""
+        """Steps between explorations of `bucket` that keep the costliest one it may run (`_explorable`) within
+        EXPLORE_BUDGET of the time the best option takes over them (at most MAX_EXPLORE_EVERY). An exploration runs
+        option c for about EXPLORE_SAMPLES + 1 steps (one not timed), each costing t_c less the best option's time for
+        c's tokens, t_best · τ_c / τ_best."""
         seconds = self.step_seconds
         if (best, bucket) not in seconds:
             return EXPLORE_EVERY
         t_best = seconds[(best, bucket)]
         rate = self.tokens_per_step(best) / t_best
         costs = [seconds[(c, bucket)] - self.tokens_per_step(c) / rate
-                 for c in self.options if c != best and (c, bucket) in seconds]  # fmt: skip
+                 for c in self._explorable(bucket, best) if c != best and (c, bucket) in seconds]  # fmt: skip
         cost = (EXPLORE_SAMPLES + 1) * max(costs, default=0.0)
         return min(self.max_explore_every, math.ceil(max(cost, 0.0) / (EXPLORE_BUDGET * t_best)))
 
@@ -268,24 +315,22 @@ class AdaptivePolicy:
         every shorter chain's: the draft model drafts a chain level by level, so a shorter chain is this one's
         prefix, and it would have accepted min(accepted, its depth)."""
         assert accepted_drafts, "a verify step verifies at least one sequence's draft"
-        self._add_acceptance(option, sum(accepted_drafts), len(accepted_drafts))
         shape = self.shapes[option]
-        if shape.topk == 1:
-            for other, prefix in enumerate(self.shapes):
-                if prefix.topk == 1 and prefix.max_depth < shape.max_depth:
-                    accepted = sum(min(a, prefix.max_depth) for a in accepted_drafts)
-                    self._add_acceptance(other, accepted, len(accepted_drafts))
+        for other, prefix in enumerate(self.shapes):
+            if other == option or (shape.topk == 1 and prefix.topk == 1 and prefix.max_depth < shape.max_depth):
+                depth = prefix.max_depth
+                counts = accepted_drafts if other == option else [min(a, depth) for a in accepted_drafts]
+                self._add_acceptance(other, sum(counts), len(counts), sum(a >= depth for a in counts))
         self.plain_until.clear()
 
-    def _add_acceptance(self, option: int, accepted: int, drafts: int) -> None:
+    def _add_acceptance(self, option: int, accepted: int, drafts: int, whole: int) -> None:
         recent, totals = self.recent_accepted[option], self.accepted_totals[option]
-        recent.append((accepted, drafts))
-        totals[0] += accepted
-        totals[1] += drafts
+        recent.append((accepted, drafts, whole))
+        for i, count in enumerate(recent[-1]):
+            totals[i] += count
         while totals[1] - recent[0][1] >= ACCEPT_WINDOW_DRAFTS:  # the window still holds as many without the oldest
-            old_accepted, old_drafts = recent.popleft()
-            totals[0] -= old_accepted
-            totals[1] -= old_drafts
+            for i, count in enumerate(recent.popleft()):
+                totals[i] -= count
         self.mean_accepted[option] = totals[0] / totals[1]
 
 

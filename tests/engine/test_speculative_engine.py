@@ -537,14 +537,15 @@ def test_adaptive_policy_cost_model():
     assert draft_shapes(2, 3, 6) == [DraftShape(2, 3, 6), DraftShape(2, 1, 3)]
     assert draft_shapes(1, 7, 8) == [DraftShape(1, 7, 8), DraftShape(1, 3, 4)]  # the default chain and its half
     policy = AdaptivePolicy(shapes, adaptive=True)
-    # Each shape runs until it has MIN_SAMPLES timed steps, largest first, then plain decoding.
+    # Each option runs until it has MIN_SAMPLES timed steps: the shortest chain, plain decoding, then the longer chain
+    # (with no acceptance measured yet, nothing rules it out).
     seconds = {0: 3.0, 1: 2.0, -1: 1.0}
     tried = []
     for _ in range(3 * MIN_SAMPLES):
         option = policy.choose(4)
         tried.append(option)
         policy.record_step(option, 4, seconds[option])
-    assert tried == [0] * MIN_SAMPLES + [1] * MIN_SAMPLES + [-1] * MIN_SAMPLES
+    assert tried == [1] * MIN_SAMPLES + [-1] * MIN_SAMPLES + [0] * MIN_SAMPLES
     # Nothing accepted: plain decoding (1 token / 1 s) beats 1 token / 2 s and 1 token / 3 s.
     policy.record_acceptance(0, [0, 0])
     policy.record_acceptance(1, [0, 0])
@@ -560,19 +561,63 @@ def test_adaptive_policy_cost_model():
     assert policy.choose(4) == 0
     # Another bucket is measured on its own. Exploration runs the least recently timed option for EXPLORE_SAMPLES
     # steps, once within the budget's interval: scheduled when the options were first measured (plain decoding best
-    # at 1 s, the big tree's cost 3 − 1 s a step, EXPLORE_SAMPLES + 1 steps an exploration: 1200 steps at
-    # EXPLORE_BUDGET), MAX_EXPLORE_EVERY steps later.
-    assert policy.choose(64) == 0
-    assert policy.next_explore[4] == 3 * MIN_SAMPLES + MAX_EXPLORE_EVERY
+    # at 1 s; the chain of 6 could not win then — `test_a_chain_that_cannot_win_is_not_run` — so the costliest
+    # exploration is the chain of 3's, 2 − 1 s a step for EXPLORE_SAMPLES + 1 steps: 600 steps at EXPLORE_BUDGET).
+    assert policy.choose(64) == 1
+    assert policy.next_explore[4] == 3 * MIN_SAMPLES + 600
     choices = []
     for _ in range(1100):
         choices.append(policy.choose(4))
         policy.record_step(choices[-1], 4, seconds[choices[-1]])
     first = choices.index(1)
     assert choices[first : first + EXPLORE_SAMPLES + 1] == [1] * EXPLORE_SAMPLES + [0]
-    assert choices.count(1) == EXPLORE_SAMPLES and choices.count(0) == 1100 - EXPLORE_SAMPLES
+    # Each exploration confirms the chain of 6: the interval doubles, and the explorations take turns (the least
+    # recently timed option).
+    runs = [(option, len(list(run))) for option, run in itertools.groupby(choices)]
+    assert [r for r in runs if r[0] != 0] == [(1, EXPLORE_SAMPLES), (-1, EXPLORE_SAMPLES), (1, EXPLORE_SAMPLES)]
     fixed = AdaptivePolicy(shapes, adaptive=False)
     assert fixed.choose(256) == 0
+
+
+def test_a_chain_that_cannot_win_is_not_run():
+    """A chain verifies its shorter chains' levels first, so what a shorter chain measured bounds it: with every draft
+    of the chain of 3 wrong, the chain of 7 yields at most 1 + 0 + 4 · (0 + 1) / (drafts + 1) tokens a step in at
+    least the chain of 3's time, below plain decoding's rate. It is neither measured nor explored (session 47's
+    forced-wrong runs spent half their verify steps on it); once the chain of 3 accepts whole drafts, it is."""
+    policy = AdaptivePolicy(draft_shapes(1, 7, 8), adaptive=True)  # [chain of 7, chain of 3]
+    seconds = {0: 2.6, 1: 2.0, -1: 1.0}
+    accepted = {0: 0, 1: 0}  # drafts accepted per verify step
+    chosen: list[int] = []
+
+    def run(num_steps):
+        for _ in range(num_steps):
+            option = policy.choose(1)
+            if option >= 0:
+                policy.record_acceptance(option, [accepted[option]])
+            policy.record_step(option, 1, seconds[option])
+            chosen.append(option)
+
+    run(2 * MIN_SAMPLES)
+    assert chosen == [1] * MIN_SAMPLES + [-1] * MIN_SAMPLES
+    assert policy.cannot_win(0, 1)  # 1 + 4 · 1 / 6 tokens in ≥ 2 s, against plain's 1 token a second
+    assert not any(policy.cannot_win(c, 1) for c in (1, -1))  # the shortest chain and plain decoding: no bound
+    run(3000)
+    assert 0 not in chosen and chosen.count(1) > 2 * MIN_SAMPLES  # the chain of 3 is still explored
+    # The chain of 3 accepts every draft: its next exploration shows it, and the chain of 7 (never timed: the least
+    # recently) is explored next, and wins (8 tokens / 2.6 s against 4 / 2 s).
+    accepted.update({0: 7, 1: 3})
+    run(3000)
+    first = chosen.index(0)
+    assert chosen[first : first + MIN_SAMPLES] == [0] * MIN_SAMPLES
+    assert chosen[-100:] == [0] * 100
+    # No bound for trees, nor from a chain with no acceptance measured.
+    trees = AdaptivePolicy(draft_shapes(2, 3, 6), adaptive=True)
+    measure(trees, 1, {0: 2.0, 1: 1.5, -1: 1.0})
+    trees.record_acceptance(1, [0])
+    assert not trees.cannot_win(0, 1)
+    fresh = AdaptivePolicy(draft_shapes(1, 7, 8), adaptive=True)
+    measure(fresh, 1, {1: 2.0, -1: 1.0})
+    assert not fresh.cannot_win(0, 1)
 
 
 def test_a_slow_first_plain_step_is_not_the_estimate():

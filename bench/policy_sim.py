@@ -20,7 +20,7 @@ and once with the slow stretches, over `--seeds` seeds (means).
 One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
        [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
-       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|BoundedExplorationPolicy|module:Class]
+       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|module:Class]
        [--json FILE]
 """
 
@@ -103,30 +103,6 @@ class FreshExplorationPolicy(AdaptivePolicy):
             self.recent_accepted[option] = collections.deque()
             self.accepted_totals[option] = [0, 0, 0]
         return super()._start_run(bucket, option, step, until, best_before)
-
-
-class BoundedExplorationPolicy(AdaptivePolicy):
-    """A candidate change (session 45; not in the engine, not measured on a GPU): the engine's policy, except that an
-    exploration skips a chain that cannot beat the best option on what its shorter chains measured. A chain of depth
-    D drafts a shorter chain's D_p levels first, so with m_p = E[min(a, D_p)] from the shorter chain (Markov:
-    P(a ≥ D_p) ≤ m_p / D_p) it yields at most 1 + m_p + (D - D_p) · m_p / D_p tokens a step; at its measured step
-    time that bound below the best option's rate means exploring it can only cost. With every draft wrong m_p = 0, so
-    only the cheaper chain is explored. `--policy BoundedExplorationPolicy`."""
-
-    def _explorable(self, bucket: int, best: int) -> list[int]:
-        seconds = self.step_seconds
-        rate = self.tokens_per_step(best) / seconds[(best, bucket)] if (best, bucket) in seconds else 0.0
-        return [c for c in self.options if c < 0 or self._bound_rate(c, bucket) >= rate]
-
-    def _bound_rate(self, option: int, bucket: int) -> float:
-        """Tokens a second that `option` could reach at most, from the acceptance of a shorter chain (inf: no bound)."""
-        shape, seconds = self.shapes[option], self.step_seconds.get((option, bucket))
-        prefixes = [(p.max_depth, self.mean_accepted[i]) for i, p in enumerate(self.shapes)
-                    if shape.topk == 1 and p.topk == 1 and p.max_depth < shape.max_depth]  # fmt: skip
-        bounds = [1.0 + m + (shape.max_depth - d) * m / d for d, m in prefixes if m is not None]
-        if seconds is None or not bounds:
-            return math.inf
-        return min(bounds) / seconds
 
 
 def host_factors(steps: int, fast: int, slow: int, factor: float, seed: int) -> list[float]:
@@ -217,14 +193,13 @@ def simulate(
 
 def load_policy(spec: str) -> type:
     """`module:Class` → the class (an AdaptivePolicy or one with its interface); a bare name is one of this script's
-    (`AdaptivePolicy`, and the candidates `ConfirmedSwitchPolicy`, `FreshExplorationPolicy`,
-    `BoundedExplorationPolicy`)."""
+    (`AdaptivePolicy`, and the candidates `ConfirmedSwitchPolicy` and `FreshExplorationPolicy`; session 45's
+    `BoundedExplorationPolicy` became the engine's `AdaptivePolicy.cannot_win` in session 48)."""
     if ":" not in spec:
         return {
             "AdaptivePolicy": AdaptivePolicy,
             "ConfirmedSwitchPolicy": ConfirmedSwitchPolicy,
             "FreshExplorationPolicy": FreshExplorationPolicy,
-            "BoundedExplorationPolicy": BoundedExplorationPolicy,
         }[spec]
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -244,7 +219,7 @@ def main() -> None:
                    "if the one above was (instead of --tau; R_LATER from the run's midpoint on)")  # fmt: skip
     p.add_argument("--policy", default="AdaptivePolicy",
                    help="AdaptivePolicy (the engine's), ConfirmedSwitchPolicy, FreshExplorationPolicy, "
-                   "BoundedExplorationPolicy, or module:Class")  # fmt: skip
+                   "or module:Class")  # fmt: skip
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]

@@ -7,8 +7,8 @@ one process: each round runs plain decoding and each policy once, in an order th
 GPU machine's host changes speed between stretches of a few seconds: session 48 measured 0.79x and 1.12x for a policy
 that always answers plain, one round each). Each policy is one instance for all rounds, in place of the engine's
 while it runs, as an engine keeps its own (`--fresh-policy`: a new one each round, every bucket measured afresh):
-`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy`, `FreshExplorationPolicy` or `BoundedExplorationPolicy`,
-bench/policy_sim.py's candidates; or module:Class. The speed-up is over all rounds (decode tokens over decode-step
+`AdaptivePolicy`, the engine's; `ConfirmedSwitchPolicy` or `FreshExplorationPolicy`, bench/policy_sim.py's
+candidates; or module:Class. The speed-up is over all rounds (decode tokens over decode-step
 seconds, each against plain's); the median and spread of the rounds' own speed-ups beside it.
 `--forced-acceptance wrong` makes every draft wrong (τ = 1), where a verify step should only be chosen to explore;
 `right` makes every draft right. Runs on a GPU (bf16, CUDA graphs, overlap scheduling: what `jetserve bench offline`
@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--policies", default="AdaptivePolicy", help="comma-separated: AdaptivePolicy, "
-                   "ConfirmedSwitchPolicy, FreshExplorationPolicy, BoundedExplorationPolicy, module:Class")  # fmt: skip
+                   "ConfirmedSwitchPolicy, FreshExplorationPolicy, module:Class")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--fresh-policy", action="store_true", help="a new policy instance each round")
     p.add_argument("--json", help="append one JSON line per batch size and policy to this file")

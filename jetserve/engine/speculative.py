@@ -59,6 +59,12 @@ MAX_RUN_STEPS = 3 * EXPLORE_SAMPLES
 # 8 wanders by ±0.8 — across the break-even τ, handing the bucket to plain decoding until its next exploration — and
 # the mean of 64 by ±0.3.
 ACCEPT_WINDOW_DRAFTS = 64
+# A chain's bound from a shorter chain (`AdaptivePolicy.cannot_win`) is the larger of two: from the acceptance window
+# above and from the shorter chain's newest BOUND_NEWEST_STEPS verify steps, so that drafts that start to pay lift it
+# at the exploration that first sees them, not once they fill most of the window. (policy_sim, acceptance turning from
+# 0 to 0.9 per depth halfway, steady host: the window alone kept the chain of 7 ruled out, 1.02x against the old
+# policy's 1.13x.)
+BOUND_NEWEST_STEPS = 8
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
 # leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
@@ -159,6 +165,7 @@ class AdaptivePolicy:
         # accepted whole)
         self.recent_accepted: list[collections.deque] = [collections.deque() for _ in shapes]
         self.accepted_totals = [[0, 0, 0] for _ in shapes]  # per option: the sums of recent_accepted's three counts
+        self.newest_accepted = [collections.deque(maxlen=BOUND_NEWEST_STEPS) for _ in shapes]  # the same, newest steps
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
         self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
@@ -238,7 +245,8 @@ class AdaptivePolicy:
         """Whether chain `option` is sure to yield fewer tokens a second at `bucket` than the best option timed there,
         from what a shorter chain measured: a chain of depth D verifies a shorter chain's D_p levels first, so it
         accepts at most m_p + (D − D_p) · f_p drafts a step (m_p = E[min(a, D_p)], f_p = P(a ≥ D_p), taken with one
-        more whole acceptance than seen: a draft that accepts rarely is not ruled out by a few steps), and its step
+        more whole acceptance than seen: a draft that accepts rarely is not ruled out by a few steps; the larger of
+        the bounds from the acceptance window and from the newest BOUND_NEWEST_STEPS verify steps), and its step
         takes no less than the shorter chain's (or its own, where that is less: a median taken in a slow stretch of
         the host must not keep it from being timed again). False for plain decoding, a tree, a chain
         with no shorter chain measured, or a bucket with nothing timed."""
@@ -251,14 +259,15 @@ class AdaptivePolicy:
         best_rate = max(self.tokens_per_step(c) / seconds[(c, bucket)] for c in timed)
         depth = self.shapes[option].max_depth
         for p, prefix in enumerate(self.shapes):
-            accepted, drafts, whole = self.accepted_totals[p]
-            if prefix.topk != 1 or prefix.max_depth >= depth or drafts == 0:
-                continue
             lower = seconds.get((p, bucket))
-            if lower is None:
+            if prefix.topk != 1 or prefix.max_depth >= depth or lower is None or not self.newest_accepted[p]:
                 continue
             lower = min(lower, seconds.get((option, bucket), lower))  # the smaller: either may be a slow stretch's
-            bound = 1.0 + accepted / drafts + (depth - prefix.max_depth) * (whole + 1) / (drafts + 1)
+            newest = [sum(counts) for counts in zip(*self.newest_accepted[p], strict=True)]
+            bound = 1.0 + max(
+                accepted / drafts + (depth - prefix.max_depth) * (whole + 1) / (drafts + 1)
+                for accepted, drafts, whole in (self.accepted_totals[p], newest)
+            )
             if bound / lower < best_rate:
                 return True
         return False
@@ -326,6 +335,7 @@ class AdaptivePolicy:
     def _add_acceptance(self, option: int, accepted: int, drafts: int, whole: int) -> None:
         recent, totals = self.recent_accepted[option], self.accepted_totals[option]
         recent.append((accepted, drafts, whole))
+        self.newest_accepted[option].append(recent[-1])
         for i, count in enumerate(recent[-1]):
             totals[i] += count
         while totals[1] - recent[0][1] >= ACCEPT_WINDOW_DRAFTS:  # the window still holds as many without the oldest

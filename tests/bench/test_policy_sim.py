@@ -66,7 +66,7 @@ def test_confirmed_switches_hold_through_host_stalls(tmp_path):
         engine_steady, engine_stalls = simulate(tmp_path, "--tau", tau, *SESSION_44_HOST)
         steady, stalls = simulate(tmp_path, "--tau", tau, *SESSION_44_HOST, "--policy", "ConfirmedSwitchPolicy")
         assert steady["speedup"] == pytest.approx(engine_steady["speedup"], abs=0.005)
-        assert stalls["speedup"] >= engine_stalls["speedup"] + 0.05
+        assert stalls["speedup"] >= engine_stalls["speedup"] + 0.02
         assert stalls["speedup"] >= 0.95 * stalls["oracle_speedup"]
 
 
@@ -85,13 +85,14 @@ def test_drawn_acceptance_and_the_fresh_exploration_candidate(tmp_path):
     assert fresh_turn["speedup"] > turn["speedup"]
 
 
-def test_bounded_exploration_skips_a_chain_that_cannot_win(tmp_path):
-    """The `BoundedExplorationPolicy` candidate: with every draft wrong the chain of 3 measures no acceptance, which
-    bounds the chain of 7 at one token a step — never worth exploring after its first measurement — so the chain of 7
-    runs only then, and less than under the engine's policy, which explores both in turn."""
-    engine_wrong, _ = simulate(tmp_path, "--accept-rate", "0")
-    bounded_wrong, _ = simulate(tmp_path, "--accept-rate", "0", "--policy", "BoundedExplorationPolicy")
-    assert bounded_wrong["shares"]["1x7"] < engine_wrong["shares"]["1x7"]
-    assert bounded_wrong["speedup"] >= engine_wrong["speedup"]
-    paying, _ = simulate(tmp_path, "--accept-rate", "0.9", "--policy", "BoundedExplorationPolicy")
-    assert paying["shares"]["1x7"] > 0.9  # drafts that pay leave nothing bounded away
+def test_the_engine_policy_runs_no_chain_that_cannot_win(tmp_path):
+    """The engine's policy (`AdaptivePolicy.cannot_win`, session 48; session 45's `BoundedExplorationPolicy`
+    candidate): with every draft wrong the chain of 3 measures no acceptance, which bounds the chain of 7 below plain
+    decoding, so with a steady host the chain of 7 never runs; drafts that start to pay halfway lift the bound at the
+    chain of 3's next exploration and the chain of 7 takes over; drafts that always pay leave nothing bounded away."""
+    wrong, _ = simulate(tmp_path, "--accept-rate", "0")
+    assert wrong["shares"]["1x7"] == 0.0 and wrong["speedup"] >= 0.98
+    turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9")
+    assert turn["shares"]["1x7"] > 0.1 and turn["speedup"] > 1.15
+    paying, _ = simulate(tmp_path, "--accept-rate", "0.9")
+    assert paying["shares"]["1x7"] > 0.9

@@ -15,7 +15,8 @@ def test_spec_graphs_writes_a_line_per_graph(tmp_path, run_bench):
     assert set(rows) == {f"chain {n} {part}" for n in (7, 3) for part in ("draft", "verify", "draft + verify")}
     for n in (7, 3):
         draft, verify, both = (rows[f"chain {n} {part}"] for part in ("draft", "verify", "draft + verify"))
-        assert draft["us"] > 0 and both["us"] > draft["us"] and draft["roofline_us"] > 0
+        # (no order of the times: one eager rep each on a shared CPU, session 48 saw the draft timed above the pair)
+        assert min(draft["us"], verify["us"], both["us"]) > 0 and draft["roofline_us"] > 0
         assert both["bytes"] == draft["bytes"] + verify["bytes"]
     assert rows["chain 7 draft"]["bytes"] > rows["chain 3 draft"]["bytes"]  # more levels, more lm_head reads
     assert rows["chain 7 verify"]["bytes"] == rows["chain 3 verify"]["bytes"]  # the same target and catch-up

@@ -121,6 +121,12 @@ class BenchResult:
     plain_decode_tok_s: float | None = None
     spec_decode_tok_s: float | None = None
     spec_speedup: float | None = None
+    # ... and end to end: every output token over the whole runs' wall time, prefill steps and part-full batches
+    # included (a speculating engine's PREFILL steps also run the draft over the prompt: session 48 measured +5% wall
+    # at batch 1 for a speculating engine that never verified, where its full-batch decode steps were +1%).
+    plain_e2e_tok_s: float | None = None
+    spec_e2e_tok_s: float | None = None
+    spec_e2e_speedup: float | None = None
     spec_tau: float | None = None  # tokens per sequence per verify step
     spec_acceptance_per_depth: list[float] | None = None
     spec_draft_ms: float | None = None  # per verify step
@@ -506,12 +512,16 @@ def _bench_speculative(
     stats = spec.stats
     plain_tok_s = _tokens_per_second(plains)
     spec_tok_s = _tokens_per_second(runs)
+    plain_e2e, spec_e2e = _end_to_end_tokens_per_second(plains), _end_to_end_tokens_per_second(runs)
     spec_steps = [step for r in runs for step in r.steps()]  # (seconds, verified) of every round's timed steps
     plain_steps = [t for p in plains for t in p.decode_step_seconds]
     return dict(
         plain_decode_tok_s=round(plain_tok_s, 1),
         spec_decode_tok_s=round(spec_tok_s, 1),
         spec_speedup=round(spec_tok_s / plain_tok_s, 4) if plain_tok_s > 0 else None,
+        plain_e2e_tok_s=round(plain_e2e, 1),
+        spec_e2e_tok_s=round(spec_e2e, 1),
+        spec_e2e_speedup=round(spec_e2e / plain_e2e, 4) if plain_e2e > 0 else None,
         spec_tau=round(stats.mean_acceptance_length, 4),
         spec_acceptance_per_depth=[round(r, 4) for r in stats.acceptance_rate_per_depth],
         spec_draft_ms=round(stats.draft_ms_per_step, 4),
@@ -587,6 +597,12 @@ def _tokens_per_second(runs: list[RunResult]) -> float:
     return sum(r.decode_tokens for r in runs) / max(sum(sum(r.decode_step_seconds) for r in runs), 1e-12)
 
 
+def _end_to_end_tokens_per_second(runs: list[RunResult]) -> float:
+    """Every output token over the whole runs' seconds, summed over `runs`."""
+    tokens = sum(len(out) for r in runs for out in r.outputs)
+    return tokens / max(sum(r.seconds for r in runs), 1e-12)
+
+
 def _median_and_max(seconds: list[float]) -> tuple[float, float] | None:
     return (round(statistics.median(seconds) * 1e3, 4), round(max(seconds) * 1e3, 4)) if seconds else None
 
@@ -621,13 +637,13 @@ def print_table(results: list[BenchResult]) -> None:
               f"{r.decode_roofline_tok_s:>12.1f} {r.decode_efficiency:>6.1%} {r.tpot_ms:>9.3f} "
               f"{r.tpot_roofline_ms:>11.3f} {peak:>9}")  # fmt: skip
     if results and results[0].spec_decode_tok_s is not None:
-        print(f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'tau':>6} {'draft ms':>9} "
-              f"{'verify ms':>10} {'verify steps':>12}  acceptance per depth")  # fmt: skip
+        print(f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} {'end to end':>11} {'tau':>6} "
+              f"{'draft ms':>9} {'verify ms':>10} {'verify steps':>12}  acceptance per depth")  # fmt: skip
         for r in results:
             depths = " ".join(f"{a:.2f}" for a in r.spec_acceptance_per_depth or [])
             print(f"{r.batch_size:>6} {r.plain_decode_tok_s:>12.1f} {r.spec_decode_tok_s:>11.1f} "
-                  f"{r.spec_speedup:>8.2f}x {r.spec_tau:>6.2f} {r.spec_draft_ms:>9.3f} {r.spec_verify_ms:>10.3f} "
-                  f"{r.spec_verify_share:>12.0%}  {depths}")  # fmt: skip
+                  f"{r.spec_speedup:>8.2f}x {r.spec_e2e_speedup:>10.2f}x {r.spec_tau:>6.2f} {r.spec_draft_ms:>9.3f} "
+                  f"{r.spec_verify_ms:>10.3f} {r.spec_verify_share:>12.0%}  {depths}")  # fmt: skip
         for r in results:
             print(f"batch {r.batch_size} step ms, median / max: plain run {_pair(r.plain_step_ms)}; speculating: "
                   f"plain steps {_pair(r.spec_plain_step_ms)}, verify {_pair(r.spec_verify_step_ms)} "

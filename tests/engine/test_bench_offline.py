@@ -46,6 +46,9 @@ def test_bench_offline_speculative_speedup_in_the_same_run(capsys, forced):
     (r,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert r["plain_decode_tok_s"] > 0 and r["spec_decode_tok_s"] > 0
     assert r["spec_speedup"] == pytest.approx(r["spec_decode_tok_s"] / r["plain_decode_tok_s"], rel=1e-2)
+    # end to end: every output token over the whole runs (prefill steps and part-full batches included)
+    assert r["spec_e2e_tok_s"] > 0 and r["plain_e2e_tok_s"] > 0
+    assert r["spec_e2e_speedup"] == pytest.approx(r["spec_e2e_tok_s"] / r["plain_e2e_tok_s"], rel=1e-2)
     assert r["spec_draft_ms"] > 0 and r["spec_verify_ms"] > 0
     # always verifying: every timed step of the speculating run verified, none decoded plainly
     assert r["spec_verify_share"] == 1.0 and r["spec_plain_step_ms"] is None

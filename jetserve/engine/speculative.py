@@ -234,9 +234,9 @@ class AdaptivePolicy:
         return [c for c in self.options if not self.cannot_win(c, bucket)]
 
     def first_measurement_order(self) -> list[int]:
-        """The order a bucket first measures its options in: a chain after every shorter chain and plain decoding,
-        so that what they measured can rule it out (`cannot_win`) before it runs; other shapes largest first (as
-        configured), then the shorter chains, then plain decoding, then the longer chains."""
+        """The order a bucket first measures its options in: the trees (as configured), the shortest chain, plain
+        decoding, then the longer chains, shortest first — each longer chain after a shorter one and plain decoding,
+        so that what they measured can rule it out (`cannot_win`) before it runs."""
         chains = sorted((i for i, s in enumerate(self.shapes) if s.topk == 1), key=lambda i: self.shapes[i].max_depth)
         trees = [i for i, s in enumerate(self.shapes) if s.topk != 1]
         return [*trees, *chains[:1], -1, *chains[1:]]
@@ -248,8 +248,8 @@ class AdaptivePolicy:
         more whole acceptance than seen: a draft that accepts rarely is not ruled out by a few steps; the larger of
         the bounds from the acceptance window and from the newest BOUND_NEWEST_STEPS verify steps), and its step
         takes no less than the shorter chain's (or its own, where that is less: a median taken in a slow stretch of
-        the host must not keep it from being timed again). False for plain decoding, a tree, a chain
-        with no shorter chain measured, or a bucket with nothing timed."""
+        the host must not keep it from being timed again). False for plain decoding, a tree, a chain with no shorter
+        chain measured, or a bucket with nothing timed."""
         if option < 0 or self.shapes[option].topk != 1:
             return False
         seconds = self.step_seconds

@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--fresh-policy", action="store_true", help="a new policy instance each round")
     p.add_argument("--json", help="append one JSON line per batch size and policy to this file")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds: must be at least 1, got {args.rounds}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     policies = {name: load_policy(name) for name in args.policies.split(",")}
     cuda = torch.cuda.is_available()

@@ -37,46 +37,41 @@ from jetserve.sampling_params import SamplingParams
 
 
 class PolicyTrace:
-    """Wraps a policy: each choice (the option) and each recorded step time (option, seconds), in order. After the
-    run, `best_after_timing` replays every call into a fresh instance of the policy's class (the policy is
-    deterministic in its calls) for the option it judged best for the bucket after each recorded time: computing that
-    inside the steps cost ~15 µs of host time a step (a median and the weighing), which the host-bound default pair
-    paid on every step of the speculating runs only (session 48: an always-plain policy at 0.86x of plain decoding)."""
+    """Wraps a policy: every call to it, in order, with what `choose` answered; `events` are its choices (the option)
+    and recorded step times (option, seconds). After the run, `best_after_timing` replays the calls into a fresh
+    instance of the policy's class (the policy is deterministic in its calls) for the option it judged best for the
+    bucket after each recorded time: computing that inside the steps cost ~15 µs of host time a step (a median and the
+    weighing), which the host-bound default pair paid on every step of the speculating runs only (session 48: an
+    always-plain policy at 0.86x of plain decoding)."""
 
     def __init__(self, policy: AdaptivePolicy) -> None:
         self.policy = policy
-        self.cls, self.shapes, self.adaptive = type(policy), policy.shapes, policy.adaptive
-        self.events: list[tuple[str, int, float]] = []  # ("choose", option, 0) / ("timed", option, seconds)
-        self.calls: list[tuple] = []  # (method name, *args) in order, for the replay
-        choose, record, accept = self.policy.choose, self.policy.record_step, self.policy.record_acceptance
+        self.calls: list[tuple[str, tuple, int | None]] = []  # (method name, its arguments, what choose answered)
+        for name in ("choose", "record_step", "record_acceptance"):
+            setattr(policy, name, self._traced(name, getattr(policy, name)))
 
-        def traced_choose(num_seqs: int) -> int:
-            option = choose(num_seqs)
-            self.events.append(("choose", option, 0.0))
-            self.calls.append(("choose", num_seqs))
-            return option
+    def _traced(self, name: str, method):
+        def traced(*args):
+            result = method(*args)
+            self.calls.append((name, args, result))
+            return result
 
-        def traced_record(option: int, num_seqs: int, seconds: float) -> None:
-            record(option, num_seqs, seconds)
-            self.events.append(("timed", option, seconds))
-            self.calls.append(("record_step", option, num_seqs, seconds))
+        return traced
 
-        def traced_accept(option: int, accepted_drafts: list[int]) -> None:
-            accept(option, accepted_drafts)
-            self.calls.append(("record_acceptance", option, list(accepted_drafts)))
-
-        self.policy.choose, self.policy.record_step = traced_choose, traced_record
-        self.policy.record_acceptance = traced_accept
+    @property
+    def events(self) -> list[tuple[str, int, float]]:
+        """("choose", option, 0) / ("timed", option, seconds), in order."""
+        return [("choose", result, 0.0) if name == "choose" else ("timed", args[0], args[2])
+                for name, args, result in self.calls if name != "record_acceptance"]  # fmt: skip
 
     @property
     def best_after_timing(self) -> list[int]:
-        replay = self.cls(self.shapes, self.adaptive)
-        chosen = iter(option for kind, option, _ in self.events if kind == "choose")
+        cls = type(self.policy)
+        replay = cls(self.policy.shapes, self.policy.adaptive)
         best = []
-        for name, *args in self.calls:
-            result = getattr(replay, name)(*args)
-            if name == "choose" and result != next(chosen):
-                raise RuntimeError(f"{self.cls.__name__} chose differently when replayed: it is not deterministic")
+        for name, args, result in self.calls:
+            if getattr(replay, name)(*args) != result:
+                raise RuntimeError(f"{cls.__name__} chose differently when replayed: it is not deterministic")
             if name == "record_step":
                 best.append(replay.best(batch_bucket(args[1])))
         return best

@@ -18,6 +18,7 @@ from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.multimodal.inputs import spliced_input_embeds
+from jetserve.ops.gated_delta_rule.chunk_table import DeltaRuleChunks
 from jetserve.ops.kv_metadata import kv_metadata
 from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
@@ -382,8 +383,10 @@ class ModelRunner:
         owner = np.repeat(np.arange(num_seqs), lens)  # [T]: which sequence each token belongs to
         positions = np.arange(num_tokens) - cu[owner] + starts[owner]  # [T]
         context = starts + lens  # [N]
-        # One [7, T+1] host buffer (T ≥ N, so every column fits), one copy to the device.
-        host = np.zeros((7, num_tokens + 1), dtype=np.int64)
+        chunk_rows = DeltaRuleChunks.host_rows(lens)  # [2, NT]
+        num_chunks = chunk_rows.shape[1]
+        # One [9, T+1] host buffer (T ≥ N and T ≥ NT, so every column fits), one copy to the device.
+        host = np.zeros((9, num_tokens + 1), dtype=np.int64)
         host[0, :num_tokens] = ids
         host[1, :num_tokens] = positions
         host[2, :num_tokens] = owner
@@ -391,9 +394,10 @@ class ModelRunner:
         host[4, :num_seqs] = context
         host[5, :num_seqs] = slots
         host[6, :num_seqs] = starts
-        dev = self.upload(host)
-        input_ids, positions_d, owner_d = (t[:num_tokens] for t in dev[:3])
-        cu_d, context_d, slots_d, starts_d = dev[3][: num_seqs + 1], *(t[:num_seqs] for t in dev[4:])
+        host[7:, :num_chunks] = chunk_rows
+        block = self.upload_block(host)  # [9, T+1]
+        input_ids, positions_d, owner_d = (t[:num_tokens] for t in block[:3])
+        cu_d, context_d, slots_d, starts_d = block[3, : num_seqs + 1], *(t[:num_seqs] for t in block[4:7])
         rows = slots_d[owner_d]  # [T]: state slot of each token
         num_cols = -(-int(context.max()) // self.page_size)
         kv, swa_kv = self._kv_metadata(positions_d, rows, context_d[owner_d], slots_d, num_cols)
@@ -409,6 +413,7 @@ class ModelRunner:
             kv=kv,
             swa_kv=swa_kv,
             capture_layers=self.capture_layers,
+            delta_chunks=DeltaRuleChunks(cu_d, block[7:, :num_chunks].t().contiguous()),  # [N+1], [NT, 2]
         )
         return fb, context_d
 

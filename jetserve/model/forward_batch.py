@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jetserve.ops.gated_delta_rule.chunk_table import DeltaRuleChunks
+
 
 class Phase(enum.Enum):
     PREFILL = "prefill"  # varlen chunks of prompt (or recomputed) tokens
@@ -43,6 +45,7 @@ class ForwardBatch:
     tree_mask: torch.Tensor | None = None  # [N, T_d, T_d] bool, VERIFY only: mask[i, a] = a is i or an ancestor
     tree_is_chain: bool = False  # VERIFY only: every tree is a chain (topk = 1; the delta rule's faster kernel)
     capture_layers: tuple[int, ...] = ()  # layers whose input hidden states are returned (EAGLE-3 features)
+    delta_chunks: DeltaRuleChunks | None = None  # PREFILL: the delta rule's chunk table, one for every JetBlock
 
     @property
     def num_seqs(self) -> int:

@@ -99,7 +99,7 @@ class JetBlock(InputProjections, nn.Module):
             seq_args = (fb.cu_seqlens, fb.state_indices, fb.has_initial_state)
             v = dynamic_conv_prefill(u, h, *conv_args, *seq_args)  # [T, D_v]
             v = v.view(T, H, V)  # [T, H, V]
-            o = gated_delta_rule_prefill(q, k, v, a, b, *gate_args, *seq_args)  # [T, H, V]
+            o = gated_delta_rule_prefill(q, k, v, a, b, *gate_args, *seq_args, chunks=fb.delta_chunks)  # [T, H, V]
         elif fb.phase is Phase.DECODE and T > GEMV_MAX_ROWS and decode_takes_norm(T, H, x):
             # Past the rows whose o_proj takes the norm in its prologue, the norm runs in the delta rule's launch.
             v = dynamic_conv_decode(u, h, *conv_args, fb.state_indices).view(T, H, V)  # [T, H, V]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from jetserve.ops import gated_delta_rule as ops
 from jetserve.ops.backend import set_backend
 from jetserve.ops.gated_delta_rule import chunk, decode, tree
 from jetserve.ops.gated_delta_rule import reference as ref
+from jetserve.ops.gated_delta_rule.chunk_table import CHUNK_SIZE, DeltaRuleChunks
 from jetserve.ops.norm import reference as norm_ref
 
 H, K, V = 3, 16, 8
@@ -102,7 +104,7 @@ def naive_sequence(tokens: dict[str, torch.Tensor], A_log, dt_bias, h0: torch.Te
     return o, torch.stack(finals)
 
 
-def run_prefill(fn, tokens, A_log, dt_bias, pool, lengths, slots, has_init, scale=None) -> torch.Tensor:
+def run_prefill(fn, tokens, A_log, dt_bias, pool, lengths, slots, has_init, scale=None, **kwargs) -> torch.Tensor:
     return fn(
         tokens["q"],
         tokens["k"],
@@ -116,6 +118,7 @@ def run_prefill(fn, tokens, A_log, dt_bias, pool, lengths, slots, has_init, scal
         torch.tensor(slots, dtype=torch.int32, device=pool.device),
         torch.tensor(has_init, dtype=torch.bool, device=pool.device),
         scale=scale,
+        **kwargs,
     )
 
 
@@ -458,8 +461,30 @@ def test_triton_commit_matches_reference(block_v, warps):
         assert torch.equal(pool[slot], before[slot])
 
 
+@pytest.mark.parametrize("lengths", [[1, 65, 0, 4], [64], [128, 1, 63], [0, 0], []])
+def test_chunk_table_matches_fla(lengths):
+    """The engine's host-built chunk table is the one fla builds from cu_seqlens (zero-length sequences included)."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    rows = DeltaRuleChunks.host_rows(np.asarray(lengths, dtype=np.int64))  # [2, NT]
+    want = prepare_chunk_indices(cu_seqlens_of(lengths).long(), CHUNK_SIZE)  # [NT, 2]
+    assert torch.equal(torch.from_numpy(rows).t(), want)
+
+
+def strided_tokens(tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as views with padded rows, as the JetBlock passes them (slices of its fused projection)."""
+    out = {}
+    for name, x in tokens.items():
+        wide = torch.full((x.shape[0], 2 * x[0].numel()), float("nan"), dtype=x.dtype)
+        wide[:, : x[0].numel()] = x.reshape(x.shape[0], -1)
+        out[name] = wide[:, : x[0].numel()].view(x.shape)
+    return out
+
+
 @needs_interpreter
-def test_fla_chunk_prefill_matches_reference(poisoned_empty):
+@pytest.mark.parametrize("table", ["built here", "given (host rows)"])
+@pytest.mark.parametrize("layout", ["dense", "strided rows"])
+def test_fla_chunk_prefill_matches_reference(poisoned_empty, table, layout):
     gen = torch.Generator().manual_seed(13)
     num_heads, k_dim, v_dim = 2, 16, 16
     A_log, dt_bias = make_params(num_heads, gen)
@@ -467,7 +492,13 @@ def test_fla_chunk_prefill_matches_reference(poisoned_empty):
     tokens = make_tokens(sum(lengths), num_heads, k_dim, v_dim, gen)
     pool = make_pool(NUM_SLOTS, num_heads, k_dim, v_dim, gen)
     pool_ref, before = pool.clone(), pool.clone()
-    o = run_prefill(chunk.chunk_gated_delta_rule_prefill, tokens, A_log, dt_bias, pool, lengths, slots, has_init)
+    kwargs = {}
+    if table != "built here":
+        rows = torch.from_numpy(DeltaRuleChunks.host_rows(np.asarray(lengths, dtype=np.int64)))
+        kwargs["chunks"] = DeltaRuleChunks(cu_seqlens_of(lengths).long(), rows.t().contiguous())
+    inputs = strided_tokens(tokens) if layout == "strided rows" else tokens
+    o = run_prefill(chunk.chunk_gated_delta_rule_prefill, inputs, A_log, dt_bias, pool, lengths, slots, has_init,
+                    **kwargs)  # fmt: skip
     o_ref = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool_ref, lengths, slots, has_init)
     assert_rel_close(o, o_ref, 1e-5)
     assert_rel_close(pool, pool_ref, 1e-5)

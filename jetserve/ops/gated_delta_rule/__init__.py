@@ -9,6 +9,7 @@ import torch
 
 from jetserve.ops.backend import use_triton
 from jetserve.ops.gated_delta_rule import decode, reference, tree
+from jetserve.ops.gated_delta_rule.chunk_table import DeltaRuleChunks
 
 
 def gated_delta_rule_prefill(
@@ -24,16 +25,19 @@ def gated_delta_rule_prefill(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     scale: float | None = None,
+    chunks: DeltaRuleChunks | None = None,
 ) -> torch.Tensor:
     """Varlen prefill: q, k [T, H, K], v [T, H, V], a, b [T, H] (raw), A_log, dt_bias [H] fp32, state [S, H, K, V]
     fp32 (final states written to the slots), cu_seqlens [N+1] int32, state_indices [N] int32, has_initial_state [N]
-    bool -> [T, H, V] in v.dtype. See `reference.gated_delta_rule_prefill`."""
+    bool, `chunks` the step's chunk table of these cu_seqlens (`chunk_table.DeltaRuleChunks`; the Triton variant
+    builds it when not given, reading cu_seqlens back) -> [T, H, V] in v.dtype. See
+    `reference.gated_delta_rule_prefill`."""
     if use_triton(q):
         # Imported on first use: importing fla takes seconds and is needed only by this variant.
         from jetserve.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_prefill as fn
     else:
         fn = reference.gated_delta_rule_prefill
-    return fn(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_indices, has_initial_state, scale)
+    return fn(q, k, v, a, b, A_log, dt_bias, state, cu_seqlens, state_indices, has_initial_state, scale, chunks)
 
 
 def gated_delta_rule_decode(

@@ -1,14 +1,21 @@
-"""Varlen chunked prefill on the GPU: fla-core's `chunk_gated_delta_rule` behind our contract (raw gates, pool slots).
+"""Varlen chunked prefill on the GPU: fla-core's chunk kernels behind our contract (raw gates, pool slots).
 
 fla's in-kernel q/k l2 norm uses our eps (1e-6). Its chunk kernel keeps the per-chunk states in the input dtype and
 uses TF32 on Hopper even for fp32 inputs (on an H200, fp32 agrees with the reference to ~2e-3 of the largest output).
+
+The kernels are called below fla's public `chunk_gated_delta_rule`, whose wrappers (backend dispatch, an autograd
+Function, input guards, and a device-to-host sync to build the chunk table from cu_seqlens) cost ~0.4 ms of host time
+a call on an H200's host, more than the GPU work of a short prompt (session 49). A step builds its chunk table once
+on the host (`chunk_table.DeltaRuleChunks`, in the step's one upload) and every JetBlock layer shares it.
 """
 
 from __future__ import annotations
 
 import torch
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from fla.modules.norm.l2norm import l2norm_fwd
+from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
+from jetserve.ops.gated_delta_rule.chunk_table import CHUNK_SIZE, DeltaRuleChunks
 from jetserve.ops.gated_delta_rule.reference import (
     check_gate_params,
     check_heads,
@@ -32,9 +39,11 @@ def chunk_gated_delta_rule_prefill(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     scale: float | None = None,
+    chunks: DeltaRuleChunks | None = None,
 ) -> torch.Tensor:
     """Varlen prefill: q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), A_log, dt_bias `[H]` fp32,
-    state `[S, H, K, V]` fp32, cu_seqlens `[N+1]`, state_indices `[N]`, has_initial_state `[N]` bool.
+    state `[S, H, K, V]` fp32, cu_seqlens `[N+1]`, state_indices `[N]`, has_initial_state `[N]` bool; `chunks` the
+    step's chunk table for these cu_seqlens (built here, with a device read, when not given).
 
     Initial states are gathered from the slots (zeros where `has_initial_state` is false) and final states scattered
     back, all on the device. Returns o `[T, H, V]` in `v.dtype`.
@@ -49,21 +58,24 @@ def chunk_gated_delta_rule_prefill(
     if q.shape[0] == 0 or idx.shape[0] == 0:
         state[idx] = h0
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if chunks is None:
+        chunks = DeltaRuleChunks.from_cu_seqlens(cu_seqlens)
     g, beta = compute_gates(a, b, A_log, dt_bias)  # [T, H] fp32
-    # A fresh cu_seqlens object on every call: fla memoises its chunk tables by tensor identity, and a caller may
-    # refill one cu_seqlens buffer in place between steps.
-    cu = cu_seqlens.to(torch.int64, copy=True)
-    o, final = chunk_gated_delta_rule(
-        q[None],
-        k[None],
-        v[None],
-        g[None],
-        beta[None],
+    # The kernels index rows densely: the projections' strided views are copied here (fla's own entry point did).
+    q, _ = l2norm_fwd(q.contiguous())  # [T, H, K]
+    k, _ = l2norm_fwd(k.contiguous())  # [T, H, K]
+    _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
+        q=q[None],
+        k=k[None],
+        v=v.contiguous()[None],
+        g=g[None],
+        beta=beta[None],
         scale=scale,
         initial_state=h0,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu,
+        cu_seqlens=chunks.cu_seqlens,
+        chunk_indices=chunks.chunk_indices,
+        chunk_size=CHUNK_SIZE,
     )
-    state[idx] = final.float()
+    state[idx] = final  # [N, H, K, V] fp32
     return o[0].to(v.dtype)

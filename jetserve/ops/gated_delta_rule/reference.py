@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jetserve.ops.gated_delta_rule.chunk_table import DeltaRuleChunks
 from jetserve.ops.norm import reference as norm_reference
 
 L2NORM_EPS = 1e-6
@@ -91,12 +92,14 @@ def gated_delta_rule_prefill(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     scale: float | None = None,
+    chunks: DeltaRuleChunks | None = None,
 ) -> torch.Tensor:
     """Varlen prefill, token by token.
 
     q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), A_log, dt_bias `[H]` fp32, state `[S, H, K, V]` fp32,
     cu_seqlens `[N+1]`, state_indices `[N]`, has_initial_state `[N]` bool. Sequence i starts from
     `state[state_indices[i]]` if `has_initial_state[i]` (zeros otherwise); its final state is written there.
+    `chunks` (the chunked kernel's table of these cu_seqlens) goes unused here: token by token needs none.
     Returns o `[T, H, V]` in `v.dtype`.
     """
     check_heads(q, k, v, a, b)

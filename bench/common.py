@@ -39,6 +39,7 @@ from jetserve.ops.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_prefill,
     gated_delta_rule_verify,
 )
+from jetserve.ops.gated_delta_rule.prefill_inputs import prefill_inputs  # noqa: E402
 from jetserve.ops.jet_mixer import decode as fused_mixer  # noqa: E402
 from jetserve.ops.jet_mixer import jet_mixer_commit  # noqa: E402
 from jetserve.ops.jet_mixer import reference as reference_mixer  # noqa: E402
@@ -254,10 +255,11 @@ def kv_metadata_case(device: str, n: int, context: int) -> Case:
 
 
 def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nodes: int = 0, chain: bool = True):
-    """gated_delta_rule: decode (n sequences), prefill (n tokens, one sequence), verify/commit (n sequences)."""
+    """gated_delta_rule: decode (n sequences), prefill (n tokens, one sequence) and its inputs' launch
+    (prefill_inputs), verify/commit (n sequences)."""
     H, K, V = s.jet_heads, s.key_dim, s.value_dim
-    num_seqs = 1 if kind == "prefill" else n
-    T = n if kind in ("decode", "prefill") else n * nodes
+    num_seqs = 1 if kind in ("prefill", "prefill_inputs") else n
+    T = n if kind in ("decode", "prefill", "prefill_inputs") else n * nodes
     q, k, _, _, a, b, _ = jet_projection(s, T, dtype, device)  # q, k [T, H, K]; a, b [T, H]
     v = _randn(T, H, V, dtype=dtype, device=device)  # the conv's output: contiguous
     A_log = torch.empty(H, device=device).uniform_(0, 2.7)
@@ -272,6 +274,12 @@ def gdr_cases(s: Shapes, dtype: torch.dtype, device: str, kind: str, n: int, nod
             lambda: gated_delta_rule_decode(q, k, v, a, b, *gates, idx),
             io_bytes + 2 * state_bytes,
             6 * T * H * K * V,
+        )
+    if kind == "prefill_inputs":  # q, k read and written dense; a, b read, g and β written in fp32
+        return (
+            lambda: prefill_inputs(q, k, a, b, A_log, dt_bias),
+            2 * _nbytes(q, k) + _nbytes(a, b) + 8 * T * H,
+            6 * T * H * K,
         )
     if kind == "prefill":
         cu = torch.tensor([0, T], dtype=torch.int32, device=device)
@@ -579,6 +587,7 @@ def all_cases(s: Shapes, dtype: torch.dtype, device: str, small: bool = False) -
     for t in prefill_tokens:
         cases[f"dynamic_conv prefill T={t}"] = lambda t=t: conv_cases(s, dtype, device, "prefill", t)
         cases[f"gated_delta_rule prefill T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill", t)
+        cases[f"gated_delta_rule prefill_inputs T={t}"] = lambda t=t: gdr_cases(s, dtype, device, "prefill_inputs", t)
         cases[f"attention prefill T={t}"] = lambda t=t: attention_cases(s, dtype, device, "prefill", t, 0)
     # Small runs (memcheck) add trees of sizes that are not powers of two, as the engine's tree shapes are.
     trees = ((7, True, "chain6"), (8, False, "tree8"))

@@ -11,7 +11,7 @@ import torch
 from jetserve import envs
 from jetserve.ops import gated_delta_rule as ops
 from jetserve.ops.backend import set_backend
-from jetserve.ops.gated_delta_rule import chunk, decode, tree
+from jetserve.ops.gated_delta_rule import chunk, decode, prefill_inputs, tree
 from jetserve.ops.gated_delta_rule import reference as ref
 from jetserve.ops.gated_delta_rule.chunk_table import CHUNK_SIZE, DeltaRuleChunks
 from jetserve.ops.norm import reference as norm_ref
@@ -479,6 +479,24 @@ def strided_tokens(tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         wide[:, : x[0].numel()] = x.reshape(x.shape[0], -1)
         out[name] = wide[:, : x[0].numel()].view(x.shape)
     return out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 37, 70])
+def test_prefill_inputs_match_reference(poisoned_empty, dtype, T):
+    """The chunked prefill's inputs in one launch: strided q/k/a/b (the JetBlock's projection slices), K not a power
+    of two, a partial last block of tokens; every output written (NaN-poisoned)."""
+    gen = torch.Generator().manual_seed(15)
+    num_heads, k_dim = 3, 24
+    A_log, dt_bias = make_params(num_heads, gen)
+    tokens = strided_tokens(make_tokens(T, num_heads, k_dim, 8, gen, dtype))
+    args = [tokens[n] for n in "qkab"] + [A_log, dt_bias]
+    got = prefill_inputs.prefill_inputs(*args)
+    want = ref.prefill_inputs(*args)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype and x.is_contiguous()
+        assert_rel_close(x.float(), y.float(), 2e-3 if dtype == torch.float16 else 1e-5)
 
 
 @needs_interpreter

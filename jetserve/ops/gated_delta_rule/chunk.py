@@ -12,16 +12,15 @@ on the host (`chunk_table.DeltaRuleChunks`, in the step's one upload) and every 
 from __future__ import annotations
 
 import torch
-from fla.modules.norm.l2norm import l2norm_fwd
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
 from jetserve.ops.gated_delta_rule.chunk_table import CHUNK_SIZE, DeltaRuleChunks
+from jetserve.ops.gated_delta_rule.prefill_inputs import prefill_inputs
 from jetserve.ops.gated_delta_rule.reference import (
     check_gate_params,
     check_heads,
     check_state,
     check_varlen,
-    compute_gates,
     initial_states,
 )
 
@@ -60,10 +59,7 @@ def chunk_gated_delta_rule_prefill(
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if chunks is None:
         chunks = DeltaRuleChunks.from_cu_seqlens(cu_seqlens)
-    g, beta = compute_gates(a, b, A_log, dt_bias)  # [T, H] fp32
-    # The kernels index rows densely: the projections' strided views are copied here (fla's own entry point did).
-    q, _ = l2norm_fwd(q.contiguous())  # [T, H, K]
-    k, _ = l2norm_fwd(k.contiguous())  # [T, H, K]
+    q, k, g, beta = prefill_inputs(q, k, a, b, A_log, dt_bias)  # dense [T, H, K] x2, normalised; [T, H] fp32 x2
     _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q=q[None],
         k=k[None],

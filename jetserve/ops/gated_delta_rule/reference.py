@@ -30,6 +30,18 @@ def compute_gates(
     return g, beta
 
 
+def prefill_inputs(
+    q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the chunked prefill's kernels take: q, k `[T, H, K]` l2-normalised (in fp32, returned dense in their
+    dtype) and the gates g, β `[T, H]` fp32 (`compute_gates`)."""
+    check_heads(q, k, k, a, b)
+    check_gate_params(A_log, dt_bias, k)
+    qn = l2_normalize(q.float()).to(q.dtype)  # [T, H, K]
+    kn = l2_normalize(k.float()).to(k.dtype)  # [T, H, K]
+    return qn, kn, *compute_gates(a, b, A_log, dt_bias)
+
+
 def check_heads(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if q is not None and q.shape != k.shape:
         raise ValueError(f"gated_delta_rule: q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")

@@ -70,6 +70,23 @@ def test_triton_launch_equals_the_reference(kind: str, attn: bool, swa: bool) ->
                 assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_block_cols_takes_two_values() -> None:
+    """A prefill's column count changes with every prompt's length; the launch's BLOCK_COLS constexpr must not (each
+    value is a compile in the first step that meets it)."""
+    assert {kernels.block_cols(n) for n in range(1, 5000)} == {kernels.SHORT_COLS, kernels.BLOCK_COLS}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("num_cols", [300, 1100])  # one block of 1024 (300 past SHORT_COLS), then two blocks
+def test_wide_tables_copy_every_column(num_cols: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randint(1, 50_000, (SLOTS, 1100), generator=gen, dtype=torch.int32)
+    positions, rows, ends, slots = step("decode")
+    args = (positions, rows.to(torch.int32), ends, slots.to(torch.int32), table, num_cols, PAGE, RING, True, False)
+    want, got = reference.kv_metadata(*args)[0], kernels.kv_metadata(*args)[0]
+    assert torch.equal(want[1], got[1]) and torch.equal(want[0], got[0])
+
+
 def test_bad_arguments_are_refused() -> None:
     positions, rows, ends, slots = step("decode")
     with pytest.raises(ValueError, match="must be \\[T\\]"):

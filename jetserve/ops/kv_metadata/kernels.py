@@ -10,10 +10,20 @@ import triton.language as tl
 from jetserve.ops.kv_metadata.reference import check_metadata_args
 from jetserve.ops.layout import dense
 
-BLOCK_COLS = 1024  # block-table columns copied per step
+BLOCK_COLS = 1024  # block-table columns copied per step, past SHORT_COLS columns
+SHORT_COLS = 256  # ... and up to it, one block of this many: every prefill shorter than 4K tokens (16-token pages)
+# launches one variant, where a block sized to the step's page count built a new one at each power of two (session 49:
+# a compile, 25-400 ms, in the first prefill step of many a prompt length)
 
 
-@triton.jit
+def block_cols(num_cols: int) -> int:
+    """The BLOCK_COLS constexpr of a launch passing `num_cols` block-table columns: two values in all."""
+    return SHORT_COLS if num_cols <= SHORT_COLS else BLOCK_COLS
+
+
+# The counts vary with every step's shape: specialising on them (== 1, multiples of 16) would build variants on the
+# first steps of new prompt lengths, for loop bounds and masks that gain nothing from it.
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_cols"])
 def _kv_metadata_kernel(
     positions,  # [T]
     rows,  # [T]
@@ -105,7 +115,7 @@ def kv_metadata(
             ring_pages,
             ATTN=attn,
             SWA=swa,
-            BLOCK_COLS=min(BLOCK_COLS, triton.next_power_of_2(max(1, num_cols))),
+            BLOCK_COLS=block_cols(num_cols),
             BLOCK_RING=triton.next_power_of_2(max(1, ring_pages)),
         )
     return (slot_mapping, tables) if attn else None, (swa_slot_mapping, swa_tables) if swa else None

@@ -15,6 +15,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
 from jetserve.ops.backend import set_backend
 from jetserve.ops.feature_ring import store as feature_ring_store
+from jetserve.ops.gated_delta_rule import chunk as delta_rule_chunk
 from jetserve.ops.jet_mixer import decode as jet_mixer_decode
 from jetserve.ops.kv_metadata import kernels as kv_metadata_kernels
 from jetserve.sampling_params import SamplingParams
@@ -61,7 +62,8 @@ def test_triton_engine_generates_what_the_reference_engine_does(
     """Two prompts (a batch) or one (batch 1: the fused mixer, asked for), plainly, verifying a chain draft at every
     step, or keeping the draft ready while decoding plainly; the Triton launches counted, so none is skipped, and the
     draft's ring and hidden states compared, since speculation's output is exact whatever the draft holds. The lone
-    prompt's steps also run the norms in the GEMM epilogues (JETSERVE_ADD_NORM_EPILOGUE=1)."""
+    prompt's steps also run the norms in the GEMM epilogues (JETSERVE_ADD_NORM_EPILOGUE=1). Every JetBlock prefill
+    takes its step's chunk table (no read of cu_seqlens back to the host a layer)."""
     monkeypatch.setenv("JETSERVE_FUSED_MIXER", "1")
     monkeypatch.setenv("JETSERVE_ADD_NORM_EPILOGUE", "1" if lone else "0")
     calls = collections.Counter()
@@ -69,6 +71,13 @@ def test_triton_engine_generates_what_the_reference_engine_does(
                          (jet_mixer_decode, "jet_mixer_decode")):  # fmt: skip
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.update([_n]) or _f(*a, **k))
+    chunk_prefill = delta_rule_chunk.chunk_gated_delta_rule_prefill
+
+    def counted_chunk_prefill(*args):  # the op passes its arguments positionally, the step's chunk table last
+        calls.update(["chunk prefill" if args[12] is not None else "chunk prefill reading cu_seqlens back"])
+        return chunk_prefill(*args)
+
+    monkeypatch.setattr(delta_rule_chunk, "chunk_gated_delta_rule_prefill", counted_chunk_prefill)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5)][: 1 if lone else 2]
     want, want_draft = generate(tiny_checkpoint, tiny_model, "reference", prompts, mode, draft_dir)
@@ -79,5 +88,7 @@ def test_triton_engine_generates_what_the_reference_engine_does(
         for a, b in zip(got_draft, want_draft, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert calls["kv_metadata"] > 0
+    # Every JetBlock layer of a PREFILL step takes the step's chunk table: none reads the device back for it.
+    assert calls["chunk prefill"] > 0 and calls["chunk prefill reading cu_seqlens back"] == 0
     assert (calls["store_features"] > 0) == (mode == "ready")
     assert (calls["jet_mixer_decode"] > 0) == (lone and mode != "verify")

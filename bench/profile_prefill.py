@@ -2,10 +2,11 @@
 token), on the embedded default model or a random 2B/4B config.
 
 Per prompt length: the first step of that length (anything compiled or specialised for it runs then) and the median
-of `--repeats` more, each a whole `LLMEngine.step` (schedule, forward, sample, read the token back); then one length
-under the PyTorch profiler: the host's time in each part of the step (each layer's mixer and MLP, the logits, the
-sampler, the draft's catch-up), the GPU's busy time and its kernels, and the CUDA runtime calls that wait for the
-device (synchronisations, copies to the host). One JSON line per result with --json FILE.
+of `--repeats` more, each a whole `LLMEngine.step` (schedule, forward, sample, read the token back), beside the step's
+roofline (the larger of its FLOPs over the bf16 GEMM throughput and its weight bytes over the copy bandwidth, both
+measured in the same run); then one length under the PyTorch profiler: the GPU's busy time and its kernels, the host
+ops, the CUDA calls that synchronise or copy, and the host's time in each part of the step (each layer's mixer and
+MLP, the logits, the forward batch's tables, the draft's catch-up). One JSON line per result with --json FILE.
 
 Usage: python bench/profile_prefill.py [--model default | --config 2b] [--lengths 32,100,300,1000] [--repeats 5]
        [--profile-len 100] [--draft default|random] [--top 20]
@@ -24,13 +25,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from jetserve.assets import resolve_checkpoint
-from jetserve.engine.bench_offline import random_model
+from jetserve.engine.bench_offline import measure_copy_bandwidth, measure_gemm_tflops, prefill_flops, random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
 from jetserve.ops.jit_watch import watch_specializations
 from jetserve.sampling_params import SamplingParams
 
-# CUDA runtime/driver calls that make the host wait for the device (or may: a copy to pageable host memory)
+# CUDA runtime/driver calls that synchronise with the device, and copies (which wait when their host side is pageable)
 WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                  "cuStreamSynchronize", "cuEventSynchronize")  # fmt: skip
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
@@ -121,7 +122,7 @@ def profile_length(engine: LLMEngine, prompt: list[int], top: int) -> dict:
     waits = {e.key: (e.count, e.cpu_time_total / 1e3) for e in runtime if e.key.startswith(WAITING_CALLS)}
     print(f"\nprofiled step, {len(prompt)} tokens: wall {wall * 1e3:.3f} ms (profiler on), GPU busy {gpu_ms:.3f} ms in "
           f"{sum(e.count for e in kernels)} kernels, {launches} launch calls")  # fmt: skip
-    print("calls that wait for the device: " + (", ".join(f"{k} ×{n} ({ms:.3f} ms)" for k, (n, ms) in waits.items())
+    print("synchronisations and copies: " + (", ".join(f"{k} ×{n} ({ms:.3f} ms)" for k, (n, ms) in waits.items())
                                                   or "none"))  # fmt: skip
     print(f"{'kernel':72} {'us':>9} {'calls':>6}")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
@@ -180,21 +181,28 @@ def main() -> None:
     )  # fmt: skip
     engine = LLMEngine(config, model=model, draft=draft)
     vocab = engine.model_config.vocab_size
+    device = engine.runner.device
+    bandwidth, tflops = measure_copy_bandwidth(device), measure_gemm_tflops(device, engine.runner.dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, GEMM {tflops:.3g} TFLOP/s (measured here)")
     gen = torch.Generator().manual_seed(0)
     results = []
     prefill_once(engine, torch.randint(0, vocab, (7,), generator=gen).tolist(), "warm")  # the first step of all
     print(f"{'tokens':>7} {'first step ms':>14} {'(kernels built':>14} {'segments)':>10} {'warm median ms':>15} "
-          f"{'warm min':>9} {'tok/s (warm)':>13}")  # fmt: skip
+          f"{'warm min':>9} {'roofline ms':>12} {'tok/s (warm)':>13}")  # fmt: skip
     for n in lengths:
         prompts = torch.randint(0, vocab, (args.repeats + 1, n), generator=gen).tolist()
         first, built, segments = first_prefill(engine, prompts[0], f"first{n}")
         warm = [prefill_once(engine, prompt, f"warm{n}-{i}") for i, prompt in enumerate(prompts[1:])]
         median = statistics.median(warm)
+        roofline = max(prefill_flops(engine, n, n) / (tflops * 1e12), weight_bytes / bandwidth)
+        names = " ".join(sorted(built))
         print(f"{n:7d} {first * 1e3:14.3f} {sum(built.values()):14d} {segments:10d} {median * 1e3:15.3f} "
-              f"{min(warm) * 1e3:9.3f} {n / median:13.0f}  {' '.join(sorted(built))}")  # fmt: skip
+              f"{min(warm) * 1e3:9.3f} {roofline * 1e3:12.3f} {n / median:13.0f}  {names}")  # fmt: skip
         results.append({"kind": "length", "tokens": n, "first_ms": first * 1e3, "first_kernels_built": dict(built),
                         "first_new_segments": segments, "warm_median_ms": median * 1e3,
-                        "warm_min_ms": min(warm) * 1e3})  # fmt: skip
+                        "warm_min_ms": min(warm) * 1e3, "roofline_ms": roofline * 1e3,
+                        "copy_gb_s": bandwidth / 1e9, "gemm_tflops": tflops})  # fmt: skip
     prompt = torch.randint(0, vocab, (args.profile_len,), generator=gen).tolist()
     prefill_once(engine, prompt, "before-profile")
     results.append(profile_length(engine, prompt, args.top))

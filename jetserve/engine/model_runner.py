@@ -413,7 +413,7 @@ class ModelRunner:
             kv=kv,
             swa_kv=swa_kv,
             capture_layers=self.capture_layers,
-            delta_chunks=DeltaRuleChunks(cu_d, block[7:, :num_chunks].t().contiguous()),  # [N+1], [NT, 2]
+            delta_chunks=DeltaRuleChunks(cu_d, block[7:, :num_chunks].t().contiguous(), fresh=not starts.any()),
         )
         return fb, context_d
 

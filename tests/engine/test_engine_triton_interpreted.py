@@ -31,14 +31,14 @@ def draft_dir(tiny_checkpoint, tmp_path_factory):
     return str(make_draft_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200))
 
 
-def generate(tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str):
+def generate(tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str, **engine_args):
     """(greedy tokens per request, the draft's feature ring and last hidden states or None). mode: "plain" (no
     draft), "verify" (a chain draft verified at every step) or "ready" (a draft kept ready while the policy decodes
     plainly: features into the ring, catch-ups)."""
     spec = dict(draft=draft_dir, spec_topk=1, spec_steps=2, spec_feature_ring=4) if mode != "plain" else {}
     set_backend(backend)
     try:
-        config = EngineConfig(model=str(tiny_checkpoint), **(ENGINE_ARGS | spec))
+        config = EngineConfig(model=str(tiny_checkpoint), **(ENGINE_ARGS | spec | engine_args))
         engine = LLMEngine(config, model=tiny_model, tokenizer=None)
         if mode != "plain":
             engine.spec.policy.forced_option = 0 if mode == "verify" else -1
@@ -92,3 +92,22 @@ def test_triton_engine_generates_what_the_reference_engine_does(
     assert calls["chunk prefill"] > 0 and calls["chunk prefill reading cu_seqlens back"] == 0
     assert (calls["store_features"] > 0) == (mode == "ready")
     assert (calls["jet_mixer_decode"] > 0) == (lone and mode != "verify")
+
+
+def test_chunked_prefill_continues_from_the_stored_state(tiny_checkpoint, tiny_model, draft_dir, monkeypatch):
+    """A prompt prefilled in chunks of 4 tokens: the first chunk's table is `fresh` (no stored state to read), the
+    later ones are not (they continue from the slot's state), and the Triton engine generates what the reference one
+    does — a later chunk started from zeros would not."""
+    seen = collections.Counter()
+    chunk_prefill = delta_rule_chunk.chunk_gated_delta_rule_prefill
+
+    def counted_chunk_prefill(*args):
+        seen.update(["fresh" if args[12].fresh else "continuing"])
+        return chunk_prefill(*args)
+
+    monkeypatch.setattr(delta_rule_chunk, "chunk_gated_delta_rule_prefill", counted_chunk_prefill)
+    prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(8)).tolist()
+    want, _ = generate(tiny_checkpoint, tiny_model, "reference", [prompt], "plain", draft_dir, max_num_batched_tokens=4)
+    got, _ = generate(tiny_checkpoint, tiny_model, "triton", [prompt], "plain", draft_dir, max_num_batched_tokens=4)
+    assert got == want
+    assert seen["fresh"] > 0 and seen["continuing"] > 0, seen

@@ -44,7 +44,8 @@ def chunk_gated_delta_rule_prefill(
 ) -> torch.Tensor:
     """Varlen prefill: q, k `[T, H, K]`, v `[T, H, V]`, a, b `[T, H]` (raw), A_log, dt_bias `[H]` fp32,
     state `[S, H, K, V]` fp32, cu_seqlens `[N+1]`, state_indices `[N]`, has_initial_state `[N]` bool; `chunks` the
-    step's chunk table for these cu_seqlens (built here, with a device read, when not given).
+    step's chunk table for these cu_seqlens (built here, with a device read, when not given); a `fresh` table is the
+    caller's promise that every has_initial_state is false.
 
     Initial states are gathered from the slots (zeros where `has_initial_state` is false) and final states scattered
     back, all on the device. Returns o `[T, H, V]` in `v.dtype`.
@@ -55,12 +56,13 @@ def chunk_gated_delta_rule_prefill(
     check_varlen(cu_seqlens, state_indices, has_initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     idx = state_indices.long()
-    h0 = initial_states(state, state_indices, has_initial_state)  # [N, H, K, V] fp32
     if q.shape[0] == 0 or idx.shape[0] == 0:
-        state[idx] = h0
+        state[idx] = initial_states(state, state_indices, has_initial_state)
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if chunks is None:
         chunks = DeltaRuleChunks.from_cu_seqlens(cu_seqlens)
+    # [N, H, K, V] fp32; None (zeros) when the host knows that no sequence continues from its slot
+    h0 = None if chunks.fresh else initial_states(state, state_indices, has_initial_state)
     q, k, g, beta = prefill_inputs(q, k, a, b, A_log, dt_bias)  # dense [T, H, K] x2, normalised; [T, H] fp32 x2
     _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q=q[None],

@@ -23,6 +23,9 @@ class DeltaRuleChunks:
 
     cu_seqlens: torch.Tensor  # [N+1] int64
     chunk_indices: torch.Tensor  # [NT, 2] int64: (sequence, chunk within it) of each chunk
+    # No sequence of the step starts from a stored state (every has_initial_state false, as the host knows it): the
+    # chunked kernels then start from zeros without gathering the slots' states (three launches a layer fewer).
+    fresh: bool = False
 
     @staticmethod
     def host_rows(lens: np.ndarray) -> np.ndarray:
@@ -34,7 +37,8 @@ class DeltaRuleChunks:
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor) -> DeltaRuleChunks:
-        """Built from a device cu_seqlens (reads it back: for callers outside an engine step)."""
+        """Built from a device cu_seqlens (reads it back: for callers outside an engine step); not `fresh`, since
+        has_initial_state stays on the device."""
         lens = np.diff(cu_seqlens.cpu().numpy()).astype(np.int64)
         rows = torch.from_numpy(cls.host_rows(lens)).to(cu_seqlens.device)  # [2, NT]
         return cls(cu_seqlens.to(torch.int64, copy=True), rows.t().contiguous())

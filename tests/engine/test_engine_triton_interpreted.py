@@ -54,6 +54,21 @@ def generate(tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draf
         set_backend("reference")  # the engine modules' CPU default
 
 
+def count_chunk_tables(monkeypatch) -> collections.Counter:
+    """Counts the chunk tables the delta rule's chunked prefill is given, call by call: "fresh", "continuing", or
+    "none: cu_seqlens read back" (the op builds one itself)."""
+    seen = collections.Counter()
+    chunk_prefill = delta_rule_chunk.chunk_gated_delta_rule_prefill
+
+    def counted(*args):  # the op passes its arguments positionally, the step's chunk table last
+        table = args[12]
+        seen.update(["none: cu_seqlens read back" if table is None else "fresh" if table.fresh else "continuing"])
+        return chunk_prefill(*args)
+
+    monkeypatch.setattr(delta_rule_chunk, "chunk_gated_delta_rule_prefill", counted)
+    return seen
+
+
 @pytest.mark.parametrize("mode", ["plain", "verify", "ready"])
 @pytest.mark.parametrize("lone", [False, True])
 def test_triton_engine_generates_what_the_reference_engine_does(
@@ -71,13 +86,7 @@ def test_triton_engine_generates_what_the_reference_engine_does(
                          (jet_mixer_decode, "jet_mixer_decode")):  # fmt: skip
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.update([_n]) or _f(*a, **k))
-    chunk_prefill = delta_rule_chunk.chunk_gated_delta_rule_prefill
-
-    def counted_chunk_prefill(*args):  # the op passes its arguments positionally, the step's chunk table last
-        calls.update(["chunk prefill" if args[12] is not None else "chunk prefill reading cu_seqlens back"])
-        return chunk_prefill(*args)
-
-    monkeypatch.setattr(delta_rule_chunk, "chunk_gated_delta_rule_prefill", counted_chunk_prefill)
+    tables = count_chunk_tables(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5)][: 1 if lone else 2]
     want, want_draft = generate(tiny_checkpoint, tiny_model, "reference", prompts, mode, draft_dir)
@@ -89,7 +98,7 @@ def test_triton_engine_generates_what_the_reference_engine_does(
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert calls["kv_metadata"] > 0
     # Every JetBlock layer of a PREFILL step takes the step's chunk table: none reads the device back for it.
-    assert calls["chunk prefill"] > 0 and calls["chunk prefill reading cu_seqlens back"] == 0
+    assert tables["fresh"] + tables["continuing"] > 0 and tables["none: cu_seqlens read back"] == 0
     assert (calls["store_features"] > 0) == (mode == "ready")
     assert (calls["jet_mixer_decode"] > 0) == (lone and mode != "verify")
 
@@ -98,14 +107,7 @@ def test_chunked_prefill_continues_from_the_stored_state(tiny_checkpoint, tiny_m
     """A prompt prefilled in chunks of 4 tokens: the first chunk's table is `fresh` (no stored state to read), the
     later ones are not (they continue from the slot's state), and the Triton engine generates what the reference one
     does — a later chunk started from zeros would not."""
-    seen = collections.Counter()
-    chunk_prefill = delta_rule_chunk.chunk_gated_delta_rule_prefill
-
-    def counted_chunk_prefill(*args):
-        seen.update(["fresh" if args[12].fresh else "continuing"])
-        return chunk_prefill(*args)
-
-    monkeypatch.setattr(delta_rule_chunk, "chunk_gated_delta_rule_prefill", counted_chunk_prefill)
+    seen = count_chunk_tables(monkeypatch)
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(8)).tolist()
     want, _ = generate(tiny_checkpoint, tiny_model, "reference", [prompt], "plain", draft_dir, max_num_batched_tokens=4)
     got, _ = generate(tiny_checkpoint, tiny_model, "triton", [prompt], "plain", draft_dir, max_num_batched_tokens=4)

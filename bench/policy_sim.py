@@ -51,6 +51,8 @@ class ConfirmedSwitchPolicy(AdaptivePolicy):
     same way. A stall of the host that inflated X's samples then inflates Y's too, or has ended by the time X
     is re-timed. `--policy ConfirmedSwitchPolicy`."""
 
+    settled_fast_path = False  # its `choose` reads the step counts and `plain_until` before the base class's
+
     def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
         super().__init__(shapes, adaptive)
         self.current: dict[int, int] = {}  # bucket → the option the last weighing chose

@@ -50,6 +50,15 @@ class StepOutput:
     emitted: list[list[int]] | None = None  # VERIFY: per sequence, its accepted drafts then its bonus token
 
 
+@dataclass(frozen=True)
+class DraftPrefillInputs:
+    """A speculating PREFILL step's device rows for the draft's catch-up, from the step's one upload."""
+
+    next_ids: torch.Tensor  # [T] int64: token t + 1 for each new position t, -1 where it is the token sampled here
+    owner: torch.Tensor  # [T] int64: the batch row of each token
+    slots: torch.Tensor  # [N] int64: state slots
+
+
 @dataclass
 class DecodeLaunch:
     """A DECODE step queued on the device: its sequences, its inputs and sampled tokens (device tensors, which a
@@ -173,16 +182,16 @@ class ModelRunner:
             assert self.spec is not None, "a VERIFY batch needs a SpecDecoder"
             emitted = self.spec.run_verify(seqs, slots, batch.draft_shape, self.sampler.is_all_greedy(slots))
             return StepOutput([tokens[-1] for tokens in emitted], emitted=emitted)
-        fb, counters = self.prefill_forward_batch(batch, slots)
+        fb, counters, draft_inputs = self.prefill_forward_batch(batch, slots)
         images = [s.images for s in seqs]
         embedding = self.model.model.embed_tokens
         input_embeds = spliced_input_embeds(embedding, fb.input_ids, images, batch.start_positions,
                                             batch.num_new_tokens)  # fmt: skip
         hidden = self.model(fb, input_embeds)  # [T, hidden]; input_embeds None unless the chunks hold images
-        logits = self.model.compute_logits(hidden[fb.cu_seqlens[1:].long() - 1])  # [N, V]
+        logits = self.model.compute_logits(hidden[fb.last_indices])  # [N, V]
         tokens = self.sampler(logits, fb.state_indices, counters, slots)  # [N]
-        if self.spec is not None:
-            self._catch_up_prefill(batch, fb, tokens, slots)
+        if draft_inputs is not None:
+            self._catch_up_prefill(batch, fb, tokens, slots, draft_inputs)
         out = StepOutput(tokens.tolist())
         if any(s.sampling_params.logprobs is not None for s in seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
@@ -296,19 +305,15 @@ class ModelRunner:
             tokens = self.sampler.after(logits, state_indices, positions, slots)  # [N]
         return DecodeLaunch.start(seqs, tokens, positions, state_indices, slots, positions_host)
 
-    def _catch_up_prefill(self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray) -> None:
+    def _catch_up_prefill(
+        self, batch: Batch, fb: ForwardBatch, tokens: torch.Tensor, slots: np.ndarray, inputs: DraftPrefillInputs
+    ) -> None:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by
         one, then token e — the one just sampled where the chunk ends its sequence, else the next prompt token.
-        Positions before s that plain decode steps left to the draft are caught up on first."""
+        Positions before s that plain decode steps left to the draft are caught up on first. The draft's positions
+        are the target's, and its K/V pages the `attn` layers' (`DraftKV`): its forward batch is the step's own."""
         self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
-        chunks = zip(batch.seqs, batch.start_positions, batch.num_new_tokens, batch.is_sampling, strict=True)
-        follow = [-1 if sampled else seq.token_ids[start + n] for seq, start, n, sampled in chunks]  # -1: sampled
-        (follow_d,) = self.upload(np.array([follow], dtype=np.int64))  # [N]
-        last = torch.where(follow_d < 0, tokens, follow_d)  # [N]
-        ends = fb.cu_seqlens[1:].long() - 1  # [N]
-        next_ids = torch.roll(fb.input_ids, -1)  # [T]
-        next_ids[ends] = last
-        starts = fb.positions[fb.cu_seqlens[:-1].long()]  # [N]
+        next_ids = torch.where(inputs.next_ids < 0, tokens[inputs.owner], inputs.next_ids)  # [T]
         # A VLM prompt's image placeholders: the draft sees the image rows the target saw (token t + 1 at position t).
         draft = self.spec.drafters[0].draft
         next_embeds = None
@@ -316,10 +321,12 @@ class ModelRunner:
             images = [s.images for s in batch.seqs]
             shifted = [start + 1 for start in batch.start_positions]
             next_embeds = spliced_input_embeds(draft.embed, next_ids, images, shifted, batch.num_new_tokens)
-        self.spec.catch_up(
-            next_ids, self.model.aux_hidden_states, fb.cu_seqlens, starts, fb.state_indices.long(), fb.max_seqlen_q,
-            next_embeds,
-        )  # fmt: skip
+        if fb.kv is None:  # no `attn` layer: the draft's own slots and metadata
+            starts = fb.positions[fb.cu_seqlens[:-1].long()]  # [N]
+            self.spec.catch_up(next_ids, self.model.aux_hidden_states, fb.cu_seqlens, starts, inputs.slots,
+                               fb.max_seqlen_q, next_embeds)  # fmt: skip
+        else:
+            self.spec.catch_up_prefill(next_ids, self.model.aux_hidden_states, fb, inputs.slots, next_embeds)
 
     def pages_trimmed(self, seqs: list[Sequence]) -> None:
         """After a verify step gave pages back (BlockManager.trim): later pages of these slots must be re-synced."""
@@ -371,8 +378,11 @@ class ModelRunner:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)[:, :n]
 
-    def prefill_forward_batch(self, batch: Batch, slots: np.ndarray) -> tuple[ForwardBatch, torch.Tensor]:
-        """The ForwardBatch of a PREFILL step, and the sampling counter per sequence [N] (its length when sampling)."""
+    def prefill_forward_batch(
+        self, batch: Batch, slots: np.ndarray
+    ) -> tuple[ForwardBatch, torch.Tensor, DraftPrefillInputs | None]:
+        """The ForwardBatch of a PREFILL step, the sampling counter per sequence [N] (its length when sampling), and,
+        speculating, what the draft's catch-up on the step takes (`_catch_up_prefill`)."""
         seqs, starts_list, lens_list = batch.seqs, batch.start_positions, batch.num_new_tokens
         num_seqs, num_tokens = len(seqs), batch.num_tokens
         ids = [t for s, st, n in zip(seqs, starts_list, lens_list, strict=True) for t in s.token_ids[st : st + n]]
@@ -385,8 +395,9 @@ class ModelRunner:
         context = starts + lens  # [N]
         chunk_rows = DeltaRuleChunks.host_rows(lens)  # [2, NT]
         num_chunks = chunk_rows.shape[1]
-        # One [9, T+1] host buffer (T ≥ N and T ≥ NT, so every column fits), one copy to the device.
-        host = np.zeros((9, num_tokens + 1), dtype=np.int64)
+        # One [10, T+1] host buffer (T ≥ N and T ≥ NT, so every column fits; an 11th row speculating), one copy to the
+        # device.
+        host = np.zeros((10 + (self.spec is not None), num_tokens + 1), dtype=np.int64)
         host[0, :num_tokens] = ids
         host[1, :num_tokens] = positions
         host[2, :num_tokens] = owner
@@ -394,8 +405,13 @@ class ModelRunner:
         host[4, :num_seqs] = context
         host[5, :num_seqs] = slots
         host[6, :num_seqs] = starts
-        host[7:, :num_chunks] = chunk_rows
-        block = self.upload_block(host)  # [9, T+1]
+        host[7:9, :num_chunks] = chunk_rows
+        host[9, :num_seqs] = cu[1:] - 1  # each sequence's last new token
+        if self.spec is not None:  # the draft's input at each position: the next token (-1: the one sampled here)
+            chunks = zip(seqs, starts_list, lens_list, batch.is_sampling, strict=True)
+            host[10, : num_tokens - 1] = host[0, 1:num_tokens]
+            host[10, cu[1:] - 1] = [-1 if sampled else s.token_ids[st + n] for s, st, n, sampled in chunks]
+        block = self.upload_block(host)  # [10 or 11, T+1]
         input_ids, positions_d, owner_d = (t[:num_tokens] for t in block[:3])
         cu_d, context_d, slots_d, starts_d = block[3, : num_seqs + 1], *(t[:num_seqs] for t in block[4:7])
         rows = slots_d[owner_d]  # [T]: state slot of each token
@@ -413,9 +429,11 @@ class ModelRunner:
             kv=kv,
             swa_kv=swa_kv,
             capture_layers=self.capture_layers,
-            delta_chunks=DeltaRuleChunks(cu_d, block[7:, :num_chunks].t().contiguous(), fresh=not starts.any()),
+            delta_chunks=DeltaRuleChunks(cu_d, block[7:9, :num_chunks].t().contiguous(), fresh=not starts.any()),
+            last_indices=block[9, :num_seqs],
         )
-        return fb, context_d
+        draft_inputs = None if self.spec is None else DraftPrefillInputs(block[10, :num_tokens], owner_d, slots_d)
+        return fb, context_d, draft_inputs
 
     def decode_forward_batch(
         self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor

@@ -19,6 +19,7 @@ import torch
 from jetserve.engine.config import max_tree_nodes
 from jetserve.engine.host_copy import start_host_copy
 from jetserve.engine.sequence import Sequence
+from jetserve.model.forward_batch import ForwardBatch
 from jetserve.ops.feature_ring import store_features
 from jetserve.spec.drafter import Drafter, DraftKV
 from jetserve.spec.eagle3 import Eagle3DraftModel
@@ -110,6 +111,19 @@ def batch_bucket(num_seqs: int) -> int:
     return 1 << (num_seqs - 1).bit_length()
 
 
+@dataclass(slots=True)
+class _Settled:
+    """A settled plain stretch of one bucket (`AdaptivePolicy.choose`), answered without the bookkeeping of a step:
+    its choices and timed steps are kept here and folded into the policy's tables when the stretch ends."""
+
+    bucket: int
+    num_seqs: int  # the batch size it answers for (another, even of the same bucket, ends it)
+    left: int  # plain answers it still gives
+    taken: int = 0  # plain answers given (bucket steps not yet counted)
+    seconds: list[float] = field(default_factory=list)  # plain steps timed meanwhile
+    timed_at: int = 0  # `taken` when the newest of them was timed
+
+
 @dataclass
 class _Run:
     """An option the policy keeps choosing for a bucket until it has `until` timed steps (or MAX_RUN_STEPS choices):
@@ -152,6 +166,10 @@ class AdaptivePolicy:
     """
 
     max_explore_every = MAX_EXPLORE_EVERY  # the longest exploration interval (a class attribute: variants set theirs)
+    # A settled plain stretch answers and times its steps through `_Settled` (a few attribute reads a step, where the
+    # full bookkeeping cost the speculating engine's host-bound plain step ~4.5 µs: session 48). Variants that read the
+    # tables between their own steps turn it off.
+    settled_fast_path = True
 
     def __init__(self, shapes: list[DraftShape], adaptive: bool) -> None:
         self.shapes = shapes
@@ -175,6 +193,7 @@ class AdaptivePolicy:
         self.measured: set[int] = set()  # buckets whose every option has been measured once
         self.plain_until: dict[int, int] = {}  # bucket → step before which it is plain without weighing (SETTLED_STEPS)
         self.stale: set[tuple[int, int]] = set()  # (option, bucket) timed since its median was last taken
+        self._settled: _Settled | None = None  # the settled plain stretch in progress (plain_until's fast path)
 
     @property
     def options(self) -> list[int]:
@@ -193,6 +212,13 @@ class AdaptivePolicy:
             return self.forced_option
         if not self.adaptive:
             return 0
+        settled = self._settled
+        if settled is not None:
+            if settled.left and num_seqs == settled.num_seqs:
+                settled.left -= 1
+                settled.taken += 1
+                return -1
+            self._fold_settled()
         bucket = batch_bucket(num_seqs)
         step = self.bucket_steps.get(bucket, 0)
         self.bucket_steps[bucket] = step + 1
@@ -227,7 +253,24 @@ class AdaptivePolicy:
             return self._start_run(bucket, option, step, until, best_before=best)
         if best < 0:
             self.plain_until[bucket] = min(step + 1 + SETTLED_STEPS, self.next_explore[bucket])
+            if self.settled_fast_path:
+                self._settled = _Settled(bucket, num_seqs, left=self.plain_until[bucket] - step - 1)
         return best
+
+    def _fold_settled(self) -> None:
+        """End the settled stretch in progress: count its steps, and time its timed plain steps, as `choose` and
+        `record_step` would have step by step."""
+        settled, self._settled = self._settled, None
+        if settled is None:
+            return
+        base = self.bucket_steps[settled.bucket]
+        self.bucket_steps[settled.bucket] = base + settled.taken
+        if settled.seconds:
+            key = (-1, settled.bucket)
+            self._recent_seconds(key).extend(settled.seconds)
+            self.num_timed[key] += len(settled.seconds)
+            self.stale.add(key)
+            self.last_used[key] = base + settled.timed_at
 
     def _explorable(self, bucket: int, best: int) -> list[int]:
         """The options an exploration of `bucket` picks from (the least recently timed of them): every one that could
@@ -301,20 +344,31 @@ class AdaptivePolicy:
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
         """Time a steady step of `option`; its median is taken when the options are next weighed (`step_seconds`)."""
+        settled = self._settled
+        if settled is not None:
+            if option < 0 and num_seqs == settled.num_seqs:
+                settled.seconds.append(seconds)
+                settled.timed_at = settled.taken
+                return
+            self._fold_settled()
         key = (option, batch_bucket(num_seqs))
-        recent = self.recent_seconds.get(key)
-        if recent is None:
-            recent = self.recent_seconds[key] = collections.deque(maxlen=TIME_SAMPLES)
-        recent.append(seconds)
+        self._recent_seconds(key).append(seconds)
         self.num_timed[key] += 1
         self.stale.add(key)
         self.last_used[key] = self.bucket_steps.get(key[1], 0)
         if option >= 0:
             self.plain_until.pop(key[1], None)
 
+    def _recent_seconds(self, key: tuple[int, int]) -> collections.deque:
+        recent = self.recent_seconds.get(key)
+        if recent is None:
+            recent = self.recent_seconds[key] = collections.deque(maxlen=TIME_SAMPLES)
+        return recent
+
     @property
     def step_seconds(self) -> dict[tuple[int, int], float]:
         """(option, bucket) → the median of its last TIME_SAMPLES step times, taken now for those timed since."""
+        self._fold_settled()
         for key in self.stale:
             self.medians[key] = statistics.median(self.recent_seconds[key])
         self.stale.clear()
@@ -331,6 +385,7 @@ class AdaptivePolicy:
                 depth = prefix.max_depth
                 counts = accepted_drafts if other == option else [min(a, depth) for a in accepted_drafts]
                 self._add_acceptance(other, sum(counts), len(counts), sum(a >= depth for a in counts))
+        self._fold_settled()
         self.plain_until.clear()
 
     def _add_acceptance(self, option: int, accepted: int, drafts: int, whole: int) -> None:
@@ -725,6 +780,18 @@ class SpecDecoder:
             next_ids, aux_hidden_states, cu_seqlens, starts, kv, max_seqlen_q, input_embeds=next_embeds
         )  # [N, H]
         self.last_hidden[slots] = hidden
+
+    def catch_up_prefill(
+        self,
+        next_ids: torch.Tensor,  # [T] int64: token t + 1 for each new position t
+        aux_hidden_states: list[torch.Tensor],  # the target's features at those positions, one [T, H_t] per layer
+        fb: ForwardBatch,  # the target's PREFILL batch: its positions, and its `attn` K/V metadata for the draft's
+        slots: torch.Tensor,  # [N] int64
+        next_embeds: torch.Tensor | None = None,  # [T, H]: the embeddings of next_ids where a VLM prompt has images
+    ) -> None:
+        """`catch_up` in the target's own forward batch (`Drafter.extend_in`): the draft's pages are the `attn`
+        layers' (`DraftKV`), so the step's slot mapping and block tables are the draft's too."""
+        self.last_hidden[slots] = self.drafters[0].extend_in(next_ids, aux_hidden_states, fb, next_embeds)  # [N, H]
 
     # ---- the VERIFY step ----
 

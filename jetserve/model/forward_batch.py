@@ -46,6 +46,7 @@ class ForwardBatch:
     tree_is_chain: bool = False  # VERIFY only: every tree is a chain (topk = 1; the delta rule's faster kernel)
     capture_layers: tuple[int, ...] = ()  # layers whose input hidden states are returned (EAGLE-3 features)
     delta_chunks: DeltaRuleChunks | None = None  # PREFILL: the delta rule's chunk table, one for every JetBlock
+    last_indices: torch.Tensor | None = None  # [N] int64, PREFILL: each sequence's last new token (its logits row)
 
     @property
     def num_seqs(self) -> int:

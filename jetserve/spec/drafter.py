@@ -124,8 +124,21 @@ class Drafter:
         fb = self._prefill_batch(
             positions, cu, starts + lens, kv.slots(owner, positions), kv.block_tables, max_seqlen_q
         )
+        return self.extend_in(input_ids, aux_hidden_states, dataclasses.replace(fb, last_indices=cu[1:] - 1),
+                              input_embeds)  # fmt: skip
+
+    def extend_in(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor],
+        fb: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`extend` in a PREFILL batch made already: its positions are the draft positions, its `kv` says where the
+        draft's K/V goes and is found (a target PREFILL step's own batch, whose `attn` pages the draft shares), and
+        its `last_indices` [N] pick the rows returned [N, H]."""
         hidden = self.draft(input_ids, self.draft.project_features(aux_hidden_states), fb, input_embeds)  # [T, H]
-        return hidden[cu[1:] - 1]
+        return hidden[fb.last_indices]
 
     def extend_rows(
         self,

@@ -579,6 +579,44 @@ def test_adaptive_policy_cost_model():
     assert fixed.choose(256) == 0
 
 
+class _FullBookkeepingPolicy(AdaptivePolicy):
+    settled_fast_path = False  # every plain step of a settled stretch through `choose` and `record_step` in full
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_settled_stretch_answers_as_the_full_bookkeeping_does(seed):
+    """The settled stretch's fast path (`_Settled`) keeps its steps aside and folds them in when it ends: on a long
+    trace — plain decoding and the chains trading places as acceptance and step times drift, batch sizes changing
+    within and across buckets, steps timed before or after the next choice as the engine's overlap does — every
+    choice, and the tables at the end, equal those of the policy that does every step's bookkeeping in full."""
+    rng = random.Random(seed)
+    fast, full = AdaptivePolicy(draft_shapes(1, 7, 8), True), _FullBookkeepingPolicy(draft_shapes(1, 7, 8), True)
+    phases = [(0.0, 1.0), (0.9, 1.0), (0.1, 2.5), (0.6, 1.0)]  # (acceptance per depth, plain step's slowdown)
+    num_seqs, pending, settled_steps = 1, [], 0
+    for step in range(12_000):
+        accept, slow = phases[step // 3000]
+        if rng.random() < 0.01:
+            num_seqs = rng.choice([1, 1, 2, 3, 4, 8])
+        option = fast.choose(num_seqs)
+        settled_steps += fast._settled is not None and fast._settled.taken > 0
+        assert full.choose(num_seqs) == option, f"step {step}"
+        if option >= 0:
+            depth = fast.shapes[option].max_depth
+            accepted = [next((d for d in range(depth) if rng.random() > accept), depth) for _ in range(num_seqs)]
+            for policy in (fast, full):
+                policy.record_acceptance(option, accepted)
+        seconds = (2.0 + 0.1 * (fast.shapes[option].max_depth if option >= 0 else 0)) if option >= 0 else slow
+        pending.append((option, num_seqs, seconds * (1 + 0.2 * rng.random())))
+        while pending and (len(pending) > 1 or rng.random() < 0.5):  # timed one step behind, or at once
+            record = pending.pop(0)
+            for policy in (fast, full):
+                policy.record_step(*record)
+    assert settled_steps > 3000  # most plain steps took the fast path
+    assert fast.step_seconds == full.step_seconds
+    for name in ("bucket_steps", "num_timed", "last_used", "next_explore", "explore_every", "plain_until"):
+        assert getattr(fast, name) == getattr(full, name), name
+
+
 def test_a_chain_that_cannot_win_is_not_run():
     """A chain verifies its shorter chains' levels first, so what a shorter chain measured bounds it: with every draft
     of the chain of 3 wrong, the chain of 7 yields at most 1 + 0 + 4 · (0 + 1) / (drafts + 1) tokens a step in at

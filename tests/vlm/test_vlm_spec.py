@@ -20,13 +20,14 @@ def test_draft_sees_image_embeddings_and_speculation_is_exact(vlm_checkpoint, tm
     spec_engine = LLMEngine(vlm_engine_config(vlm_checkpoint, draft=str(draft), spec_topk=2, spec_steps=2,
                                               spec_adaptive=False, max_num_batched_tokens=20))  # fmt: skip
     seen = []
-    extend = Drafter.extend
+    extend_in = Drafter.extend_in  # the prefill catch-up, in the target's PREFILL batch
 
-    def spy(self, input_ids, aux, cu, starts, kv, max_seqlen_q, input_embeds=None):
+    def spy(self, input_ids, aux, fb, input_embeds=None):
+        starts = fb.positions[fb.cu_seqlens[:-1].long()]
         seen.append((starts.tolist(), input_ids.clone(), None if input_embeds is None else input_embeds.clone()))
-        return extend(self, input_ids, aux, cu, starts, kv, max_seqlen_q, input_embeds)
+        return extend_in(self, input_ids, aux, fb, input_embeds)
 
-    monkeypatch.setattr(Drafter, "extend", spy)
+    monkeypatch.setattr(Drafter, "extend_in", spy)
     fresh = ImageInputs(images.pixel_values, images.positions, images.num_images)
     speculative = _generate(spec_engine, [(ids, fresh)], max_tokens=8)[0]
     assert speculative.output_token_ids == plain.output_token_ids

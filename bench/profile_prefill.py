@@ -157,6 +157,12 @@ def main() -> None:
         default="32,100,300,1000,37",
         help="prompt lengths, in this order (a shorter one last: a first step that builds nothing and takes no memory)",
     )
+    p.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=EngineConfig.prefill_graph_max_tokens,
+        help="steps up to this many tokens replay a prefill graph (0: every step eager; default: the engine's)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile-len", type=int, default=100)
     p.add_argument("--top", type=int, default=20)
@@ -165,6 +171,8 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     if min(lengths) < 1 or args.repeats < 1:
         p.error("--lengths and --repeats must be positive")
+    if args.prefill_graph_max_tokens < 0:
+        p.error("--prefill-graph-max-tokens must be ≥ 0")
     max_len = max(*lengths, args.profile_len) + 64
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the reference ops: a check of this script
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -178,8 +186,13 @@ def main() -> None:
         model=None if args.config else resolve_checkpoint(args.model, "model"),
         draft=None if args.draft in (None, "random") else resolve_checkpoint(args.draft, "draft"),
         dtype=dtype, device=device, max_num_seqs=1, max_model_len=max_len,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
     )  # fmt: skip
+    started = time.perf_counter()
     engine = LLMEngine(config, model=model, draft=draft)
+    graphs = engine.runner.prefill_graphs
+    print(f"engine start-up {time.perf_counter() - started:.2f} s; prefill graphs: "
+          f"{'none' if graphs is None else ', '.join(map(str, graphs.buckets))} tokens")  # fmt: skip
     vocab = engine.model_config.vocab_size
     device = engine.runner.device
     bandwidth, tflops = measure_copy_bandwidth(device), measure_gemm_tflops(device, engine.runner.dtype)
@@ -209,7 +222,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             for r in results:
-                f.write(json.dumps({"model": args.config or args.model, "draft": args.draft, **r}) + "\n")
+                tags = {"model": args.config or args.model, "draft": args.draft,
+                        "prefill_graph_max_tokens": args.prefill_graph_max_tokens}  # fmt: skip
+                f.write(json.dumps(tags | r) + "\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jetserve.engine.prefill_graph import prefill_buckets
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Positions per sequence that plain decode steps may leave the draft behind by (their target features wait in a
 # per-slot ring); a sequence whose ring fills catches up on all of them in one draft forward. Session 18 (H200, the
@@ -55,6 +57,9 @@ class EngineConfig:
     # batches in between pad up, past the largest run eagerly. A single-GPU engine captures them all in one stream
     # capture (`graph_split`), so their number does not slow them (a process's fourth capture did: sessions 32-33).
     cuda_graph_batch_sizes: str | None = None
+    # PREFILL steps of up to this many tokens (in up to 8 sequences, no image rows or log-probs) replay a CUDA graph of
+    # their token bucket (`engine.prefill_graph`): a batch-1 prefill is host-bound, ~60 µs of launches a kernel. 0: off.
+    prefill_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)
 
@@ -73,6 +78,9 @@ class EngineConfig:
         if self.num_slots is not None and self.num_slots < 2:
             raise ValueError(f"num_slots: must be ≥ 2 (slot 0 is reserved), got {self.num_slots}")
         self._check_speculation()
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"prefill_graph_max_tokens: must be ≥ 0 (0: no prefill graphs), got "
+                             f"{self.prefill_graph_max_tokens}")  # fmt: skip
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ValueError(f"cuda_graph_max_batch_size: must be ≥ 1, got {self.cuda_graph_max_batch_size}")
         self._check_graph_batch_sizes()
@@ -130,6 +138,13 @@ class EngineConfig:
                 f"spec_num_draft_tokens: {self.draft_tree_size} exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}), so no verify step could run"
             )
+
+    @property
+    def prefill_graph_buckets(self) -> list[int]:
+        """The token buckets of the prefill graphs a single-GPU engine captures (none with enforce_eager, or 0)."""
+        if self.enforce_eager or self.tensor_parallel_size > 1:
+            return []
+        return prefill_buckets(self.prefill_graph_max_tokens, self.max_num_batched_tokens)
 
     @property
     def speculation(self) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from jetserve.engine.memory_plan import (
 )
 from jetserve.engine.model_runner import DecodeLaunch, ModelRunner, profile_activation_bytes
 from jetserve.engine.output import OutputProcessor, RequestOutput
+from jetserve.engine.prefill_graph import PREFILL_GRAPH_MAX_SEQS
 from jetserve.engine.scheduler import Batch, Scheduler
 from jetserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from jetserve.engine.speculative import SpecDecoder, SpecStats, VerifyLaunch, draft_shapes
@@ -123,6 +124,8 @@ class LLMEngine:
             self.runner.capture_graphs(batch_sizes)
             if self.spec is not None:
                 self.spec.capture_graphs(batch_sizes)
+            if config.prefill_graph_buckets:
+                self.runner.use_prefill_graphs(config.prefill_graph_buckets, self.prefill_graph_seqs, capture=True)
         self.output_processor = OutputProcessor(tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
@@ -140,6 +143,9 @@ class LLMEngine:
             activation_bytes = profile_activation_bytes(
                 model, config.max_num_batched_tokens, config.max_num_seqs, num_logit_rows
             )
+            if config.prefill_graph_buckets:  # the prefill graphs' pool holds their largest step's activations
+                seqs = self.prefill_graph_seqs
+                activation_bytes += profile_activation_bytes(model, config.prefill_graph_buckets[-1], seqs, seqs + 1)
         budget = cache_budget_bytes(config, device, activation_bytes)
         draft_page_bytes = draft_slot_bytes = 0
         if self.draft is not None:
@@ -150,6 +156,11 @@ class LLMEngine:
                 self.draft.config.hidden_size, dtype,
             )  # fmt: skip
         return plan_memory(self.model_config, config, dtype, budget, draft_page_bytes, draft_slot_bytes)
+
+    @property
+    def prefill_graph_seqs(self) -> int:
+        """Sequences a graphed PREFILL step may hold."""
+        return min(self.config.max_num_seqs, PREFILL_GRAPH_MAX_SEQS)
 
     @property
     def max_model_len(self) -> int:

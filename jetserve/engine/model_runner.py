@@ -11,6 +11,7 @@ import torch
 
 from jetserve.engine.host_copy import start_host_copy
 from jetserve.engine.memory_plan import MemoryPlan, ring_tokens_for
+from jetserve.engine.prefill_graph import PrefillGraphs
 from jetserve.engine.sampler import Sampler
 from jetserve.engine.scheduler import Batch
 from jetserve.engine.sequence import Sequence, TokenLogprobs
@@ -18,7 +19,7 @@ from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
 from jetserve.multimodal.inputs import spliced_input_embeds
-from jetserve.ops.gated_delta_rule.chunk_table import DeltaRuleChunks
+from jetserve.ops.gated_delta_rule.chunk_table import CHUNK_SIZE, DeltaRuleChunks
 from jetserve.ops.kv_metadata import kv_metadata
 from jetserve.ops.sampling import compute_logprobs, top_logprobs
 
@@ -48,6 +49,18 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None] | None = None  # per sequence, where the request asked for them
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # batch row → new prompt positions
     emitted: list[list[int]] | None = None  # VERIFY: per sequence, its accepted drafts then its bonus token
+
+
+@dataclass(frozen=True)
+class PrefillLayout:
+    """The shape of a PREFILL step's host rows (`ModelRunner.prefill_host_rows`): what its device part is built for."""
+
+    num_tokens: int  # T (a graph's bucket: T_b, pad tokens included)
+    num_seqs: int  # N (a graph's: N_b, empty and padding rows included)
+    num_chunks: int  # rows of the delta rule's chunk table
+    num_cols: int  # block-table columns passed to the attention layers
+    max_seqlen_q: int  # the most new tokens of one sequence (a graph's: T_b), for launch grids
+    fresh: bool  # no sequence starts from a stored state (`DeltaRuleChunks.fresh`)
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,7 @@ class ModelRunner:
         self._is_pinned = self.device.type == "cuda"
         self._size_decode_constants(plan.num_slots)
         self.graph_runner = None  # a GraphRunner once `capture_graphs` ran
+        self.prefill_graphs: PrefillGraphs | None = None  # once `use_prefill_graphs` ran
         self.spec: SpecDecoder | None = None
         self.capture_layers: tuple[int, ...] = ()  # target layers whose inputs the draft reads (with a SpecDecoder)
 
@@ -182,6 +196,9 @@ class ModelRunner:
             assert self.spec is not None, "a VERIFY batch needs a SpecDecoder"
             emitted = self.spec.run_verify(seqs, slots, batch.draft_shape, self.sampler.is_all_greedy(slots))
             return StepOutput([tokens[-1] for tokens in emitted], emitted=emitted)
+        bucket = self.prefill_graphs.bucket(batch) if self.prefill_graphs is not None else None
+        if bucket is not None:
+            return self._run_prefill_graph(batch, slots, bucket)
         fb, counters, draft_inputs = self.prefill_forward_batch(batch, slots)
         images = [s.images for s in seqs]
         embedding = self.model.model.embed_tokens
@@ -197,6 +214,20 @@ class ModelRunner:
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
         if any(s.wants_prompt_logprobs for s in seqs):
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        return out
+
+    def _run_prefill_graph(self, batch: Batch, slots: np.ndarray, bucket: int) -> StepOutput:
+        """A PREFILL step replayed from its bucket's graphs (`engine.prefill_graph`; no prompt log-probs, no image
+        rows)."""
+        graphs = self.prefill_graphs
+        fb, counters, logits = graphs.run(batch, slots, bucket)  # [N] rows
+        tokens = self.sampler(logits, fb.state_indices[: len(batch.seqs)], counters, slots)  # [N]
+        if self.spec is not None:
+            self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
+            graphs.catch_up(bucket, tokens)
+        out = StepOutput(tokens.tolist())
+        if any(s.sampling_params.logprobs is not None for s in batch.seqs):
+            out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, batch.seqs)
         return out
 
     @_inference
@@ -383,11 +414,32 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, torch.Tensor, DraftPrefillInputs | None]:
         """The ForwardBatch of a PREFILL step, the sampling counter per sequence [N] (its length when sampling), and,
         speculating, what the draft's catch-up on the step takes (`_catch_up_prefill`)."""
-        seqs, starts_list, lens_list = batch.seqs, batch.start_positions, batch.num_new_tokens
-        num_seqs, num_tokens = len(seqs), batch.num_tokens
-        ids = [t for s, st, n in zip(seqs, starts_list, lens_list, strict=True) for t in s.token_ids[st : st + n]]
-        lens = np.asarray(lens_list, dtype=np.int64)  # [N]
-        starts = np.asarray(starts_list, dtype=np.int64)  # [N]
+        host, layout = self.prefill_host_rows(batch, slots)
+        return self.prefill_device_batch(self.upload_block(host), layout)
+
+    def prefill_host_rows(
+        self, batch: Batch | None, slots: np.ndarray, padded: tuple[int, int] | None = None
+    ) -> tuple[np.ndarray, PrefillLayout]:
+        """A PREFILL step's host rows, for one copy to the device, and their layout (`prefill_device_batch`).
+
+        `padded` (T_b, N_b): the shape of a prefill graph's bucket (`engine.prefill_graph`). Its rows N..N_b − 2 are
+        empty sequences and row N_b − 1 a padding sequence of the T_b − T pad tokens (positions 0 onward); all of
+        them in slot 0 from no stored state, so they write only the reserved slot 0 and nothing in the K/V caches. The
+        chunk table is padded to the bucket's count with chunks past the padding sequence's end, which the chunk
+        kernels mask whole. `batch` None: no real sequence (a graph's capture)."""
+        seqs = [] if batch is None else batch.seqs
+        real_lens = [] if batch is None else batch.num_new_tokens
+        real_starts = [] if batch is None else batch.start_positions
+        ids = [t for s, st, n in zip(seqs, real_starts, real_lens, strict=True) for t in s.token_ids[st : st + n]]
+        num_real = len(ids)
+        num_tokens, num_seqs = (num_real, len(seqs)) if padded is None else padded
+        lens = np.zeros(num_seqs, dtype=np.int64)  # [N]
+        lens[: len(seqs)] = real_lens
+        starts = np.zeros(num_seqs, dtype=np.int64)  # [N]
+        starts[: len(seqs)] = real_starts
+        if padded is not None:
+            assert len(seqs) < num_seqs and num_real <= num_tokens, "a prefill graph's bucket holds the step"
+            lens[-1] = num_tokens - num_real
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         owner = np.repeat(np.arange(num_seqs), lens)  # [T]: which sequence each token belongs to
@@ -395,28 +447,44 @@ class ModelRunner:
         context = starts + lens  # [N]
         chunk_rows = DeltaRuleChunks.host_rows(lens)  # [2, NT]
         num_chunks = chunk_rows.shape[1]
+        if padded is not None:  # the bucket's count of chunks, the extra ones past the padding sequence's end
+            num_chunks = -(-num_tokens // CHUNK_SIZE) + num_seqs
+            past = np.arange(num_chunks - chunk_rows.shape[1], dtype=np.int64) + (-(-lens[-1] // CHUNK_SIZE))
+            chunk_rows = np.concatenate([chunk_rows, np.stack([np.full_like(past, num_seqs - 1), past])], axis=1)
         # One [10, T+1] host buffer (T ≥ N and T ≥ NT, so every column fits; an 11th row speculating), one copy to the
         # device.
+        assert num_tokens + 1 >= max(num_seqs + 1, num_chunks)
         host = np.zeros((10 + (self.spec is not None), num_tokens + 1), dtype=np.int64)
-        host[0, :num_tokens] = ids
+        host[0, :num_real] = ids
         host[1, :num_tokens] = positions
         host[2, :num_tokens] = owner
         host[3, : num_seqs + 1] = cu
         host[4, :num_seqs] = context
-        host[5, :num_seqs] = slots
+        host[5, : len(seqs)] = slots
         host[6, :num_seqs] = starts
         host[7:9, :num_chunks] = chunk_rows
-        host[9, :num_seqs] = cu[1:] - 1  # each sequence's last new token
-        if self.spec is not None:  # the draft's input at each position: the next token (-1: the one sampled here)
-            chunks = zip(seqs, starts_list, lens_list, batch.is_sampling, strict=True)
-            host[10, : num_tokens - 1] = host[0, 1:num_tokens]
-            host[10, cu[1:] - 1] = [-1 if sampled else s.token_ids[st + n] for s, st, n, sampled in chunks]
-        block = self.upload_block(host)  # [10 or 11, T+1]
+        host[9, :num_seqs] = np.maximum(cu[1:] - 1, 0)  # each sequence's last new token
+        if self.spec is not None and seqs:  # the draft's input at each position: the next token (-1: sampled here)
+            chunks = zip(seqs, real_starts, real_lens, batch.is_sampling, strict=True)
+            host[10, : num_real - 1] = host[0, 1:num_real]
+            follow = [-1 if sampled else s.token_ids[st + n] for s, st, n, sampled in chunks]
+            host[10, cu[1 : len(seqs) + 1] - 1] = follow
+        if padded is None:
+            num_cols, max_seqlen_q = -(-int(context.max()) // self.page_size), int(lens.max())
+        else:
+            num_cols, max_seqlen_q = self.plan.max_pages_per_seq, num_tokens
+        return host, PrefillLayout(num_tokens, num_seqs, num_chunks, num_cols, max_seqlen_q, not starts.any())
+
+    def prefill_device_batch(
+        self, block: torch.Tensor, layout: PrefillLayout
+    ) -> tuple[ForwardBatch, torch.Tensor, DraftPrefillInputs | None]:
+        """`prefill_forward_batch`'s device part, from the host rows on the device (`block`, at least
+        [10, layout.num_tokens + 1]; 11 rows speculating): graph-capturable, the shapes all from `layout`."""
+        num_tokens, num_seqs, num_chunks = layout.num_tokens, layout.num_seqs, layout.num_chunks
         input_ids, positions_d, owner_d = (t[:num_tokens] for t in block[:3])
         cu_d, context_d, slots_d, starts_d = block[3, : num_seqs + 1], *(t[:num_seqs] for t in block[4:7])
         rows = slots_d[owner_d]  # [T]: state slot of each token
-        num_cols = -(-int(context.max()) // self.page_size)
-        kv, swa_kv = self._kv_metadata(positions_d, rows, context_d[owner_d], slots_d, num_cols)
+        kv, swa_kv = self._kv_metadata(positions_d, rows, context_d[owner_d], slots_d, layout.num_cols)
         fb = ForwardBatch(
             phase=Phase.PREFILL,
             input_ids=input_ids,
@@ -425,11 +493,11 @@ class ModelRunner:
             context_lens=context_d.to(torch.int32),
             state_indices=slots_d.to(torch.int32),
             has_initial_state=starts_d > 0,
-            max_seqlen_q=int(lens.max()),
+            max_seqlen_q=layout.max_seqlen_q,
             kv=kv,
             swa_kv=swa_kv,
             capture_layers=self.capture_layers,
-            delta_chunks=DeltaRuleChunks(cu_d, block[7:9, :num_chunks].t().contiguous(), fresh=not starts.any()),
+            delta_chunks=DeltaRuleChunks(cu_d, block[7:9, :num_chunks].t().contiguous(), fresh=layout.fresh),
             last_indices=block[9, :num_seqs],
         )
         draft_inputs = None if self.spec is None else DraftPrefillInputs(block[10, :num_tokens], owner_d, slots_d)
@@ -555,6 +623,12 @@ class ModelRunner:
             self._size_decode_constants(max(batch_sizes))
         self.graph_runner = GraphRunner(self, batch_sizes)
         self.graph_runner.capture()
+
+    def use_prefill_graphs(self, buckets: list[int], max_seqs: int, capture: bool) -> None:
+        """PREFILL steps of up to max(buckets) tokens in up to `max_seqs` sequences replay their bucket's graphs
+        (`engine.prefill_graph`; after `attach_spec` and `capture_graphs`, whose pool they share). Without `capture`
+        (a device without graphs: the CPU tests) they run the same padded steps eagerly."""
+        self.prefill_graphs = PrefillGraphs(self, buckets, max_seqs, capture)
 
 
 @torch.inference_mode()

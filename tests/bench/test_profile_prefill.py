@@ -27,3 +27,5 @@ def test_rows_parts_and_json(tmp_path, run_bench):
 def test_bad_lengths_are_a_one_line_error(run_bench):
     run = run_bench("bench/profile_prefill.py", "--lengths", "4,0")
     assert run.returncode == 2 and "--lengths" in run.stderr.strip().splitlines()[-1]
+    run = run_bench("bench/profile_prefill.py", "--prefill-graph-max-tokens", "-1")
+    assert run.returncode == 2 and "--prefill-graph-max-tokens" in run.stderr.strip().splitlines()[-1]

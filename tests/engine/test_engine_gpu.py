@@ -240,3 +240,80 @@ def test_batched_decode_2b_shapes_as_close_as_reference_ops(decode_norm_calls):
         err, floor = rel(g, t), rel(r, t)
         print(f"step {step}: Triton {err:.2e}, bf16 reference ops {floor:.2e} (relative to fp32)")
         assert err <= 1.25 * floor + 1e-3, f"step {step}: error {err:.2e} against the bf16 reference ops' {floor:.2e}"
+
+
+def _prefill_snapshot(engine: LLMEngine) -> list[torch.Tensor]:
+    """What PREFILL steps write: every slot's JetBlock state but the padding slot's, the K/V caches, and when
+    speculating the draft's per-slot hidden state and K/V."""
+    tensors = [engine.state_pool.conv_states[:, 1:], engine.state_pool.recurrent_states[:, 1:]]
+    tensors += [t for pair in engine.runner.kv_caches.values() for t in pair]
+    if engine.spec is not None:
+        tensors += [engine.spec.last_hidden[1:], engine.spec.k_cache, engine.spec.v_cache]
+    return tensors
+
+
+def _check_prefill_graphs(make, prompts: list[list[int]], rel: float, logprob_tol: float) -> None:
+    """Prefill every prompt (one token each, log-probs on) through an engine replaying prefill graphs and through
+    one prefilling eagerly: the same first tokens (up to near-ties), log-probs and written state."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2)
+    graphed, eager = make(), make(prefill_graph_max_tokens=0)
+    graphs = graphed.runner.prefill_graphs
+    assert graphs is not None and graphs.is_graphed and eager.runner.prefill_graphs is None
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda batch, slots, bucket: replayed.append(bucket) or run(batch, slots, bucket)
+    want, got = _generate(eager, prompts, params), _generate(graphed, prompts, params)
+    assert len(replayed) >= len(prompts) // 2, replayed
+    for a, b in zip(want, got, strict=True):
+        x, y = a.logprobs[0], b.logprobs[0]
+        if x.token_id != y.token_id:
+            assert x.top_logprobs[0] - x.top_logprobs[1] < logprob_tol, "first tokens differ: not a tie"
+        assert y.logprob == pytest.approx(x.logprob, abs=logprob_tol)
+    for i, (g, e) in enumerate(zip(_prefill_snapshot(graphed), _prefill_snapshot(eager), strict=True)):
+        _assert_close(g, e, rel, f"prefill state {i}")
+    assert graphed.is_idle_and_clean()
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Each prompt's final output, in order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    return [final[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("speculating", [False, True], ids=["plain", "draft"])
+@torch.inference_mode()
+def test_prefill_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny_tokenizer, tmp_path, speculating):
+    """Buckets 16 (1 and 16 tokens, two sequences in one), 32, 128, 384 and 512 (a 480-token prompt), fp32: the
+    padded graphs against the unpadded eager steps (fla's chunk kernels use TF32 on Hopper either way)."""
+    args = dict(max_num_seqs=2, prefill_graph_max_tokens=512)
+    if speculating:
+        from jetserve.spec.eagle3 import make_draft_checkpoint
+
+        args |= dict(draft=str(make_draft_checkpoint(tiny_checkpoint, tmp_path / "draft", seed=2)), spec_topk=1)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 16, 17, 100, 300, 480)]
+
+    def make(**extra):
+        return make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, **(args | extra)).engine
+
+    assert make().runner.prefill_graphs.buckets == [16, 32, 64, 128, 256, 384, 512]
+    _check_prefill_graphs(make, prompts, rel=1e-3, logprob_tol=5e-3)
+
+
+@torch.inference_mode()
+def test_prefill_graph_replay_equals_eager_2b_shapes():
+    """A 4-layer model of the real 2B shapes, bf16, buckets up to 1024: prompts of 40, 200 and 1000 tokens."""
+    model = random_model("2b", "bfloat16", torch.device("cuda"), seed=0, num_layers=4)
+
+    def make(**extra):
+        args = dict(device="cuda", max_num_seqs=2, max_model_len=1100, num_slots=3, num_pages=160,
+                    prefill_graph_max_tokens=1024) | extra  # fmt: skip
+        return LLMEngine(EngineConfig(**args), model=model, tokenizer=None)
+
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (40, 200, 1000)]
+    _check_prefill_graphs(make, prompts, rel=2e-2, logprob_tol=5e-2)

@@ -500,30 +500,40 @@ def test_prefill_inputs_match_reference(poisoned_empty, dtype, T):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("table", ["built here", "given (host rows)", "given, fresh"])
+@pytest.mark.parametrize("table", ["built here", "given (host rows)", "given, fresh", "padded to a bucket"])
 @pytest.mark.parametrize("layout", ["dense", "strided rows"])
 def test_fla_chunk_prefill_matches_reference(poisoned_empty, table, layout):
     """The chunk table built by the op or given as the engine builds it; "fresh": no sequence has an initial state,
-    and the table says so (the kernels start from zeros without reading the slots, whose states are random)."""
+    and the table says so (the kernels start from zeros without reading the slots, whose states are random); "padded
+    to a bucket": a prefill graph's rows (`ModelRunner.prefill_host_rows`) — an empty row and a padding sequence in
+    slot 0, the table padded to ceil(T_b / 64) + N_b rows with chunks past the padding sequence's end."""
     gen = torch.Generator().manual_seed(13)
     num_heads, k_dim, v_dim = 2, 16, 16
     A_log, dt_bias = make_params(num_heads, gen)
     lengths, slots, has_init = [1, 65, 0, 4], [3, 1, 5, 2], [True, False, True, True]
     if table == "given, fresh":
         has_init = [False] * len(lengths)
+    if table == "padded to a bucket":
+        lengths, slots, has_init = lengths + [0, 9], slots + [0, 0], has_init + [False, False]
     tokens = make_tokens(sum(lengths), num_heads, k_dim, v_dim, gen)
     pool = make_pool(NUM_SLOTS, num_heads, k_dim, v_dim, gen)
     pool_ref, before = pool.clone(), pool.clone()
     kwargs = {}
     if table != "built here":
-        rows = torch.from_numpy(DeltaRuleChunks.host_rows(np.asarray(lengths, dtype=np.int64)))
+        rows = DeltaRuleChunks.host_rows(np.asarray(lengths, dtype=np.int64))  # [2, NT]
+        if table == "padded to a bucket":  # 5 chunks, padded to 2 + 6
+            past = np.stack([np.full(3, len(lengths) - 1), np.arange(1, 4)])
+            rows = np.concatenate([rows, past], axis=1)
         fresh = not any(has_init)
+        rows = torch.from_numpy(rows)
         kwargs["chunks"] = DeltaRuleChunks(cu_seqlens_of(lengths).long(), rows.t().contiguous(), fresh=fresh)
     inputs = strided_tokens(tokens) if layout == "strided rows" else tokens
     o = run_prefill(chunk.chunk_gated_delta_rule_prefill, inputs, A_log, dt_bias, pool, lengths, slots, has_init,
                     **kwargs)  # fmt: skip
     o_ref = run_prefill(ref.gated_delta_rule_prefill, tokens, A_log, dt_bias, pool_ref, lengths, slots, has_init)
     assert_rel_close(o, o_ref, 1e-5)
+    if table == "padded to a bucket":  # two rows write slot 0 (the padding slot) in turn
+        pool[0], pool_ref[0] = before[0], before[0]
     assert_rel_close(pool, pool_ref, 1e-5)
     for slot in (0, 4, 6):
         assert torch.equal(pool[slot], before[slot])

@@ -128,7 +128,8 @@ class PrefillGraphs:
         """Replay the bucket's forward for `batch`: returns its forward batch (the bucket's), sampling counters and
         logits, the real rows' [N] (views of the graph's outputs, valid until the next replay)."""
         host = self._layout(bucket, batch, slots)
-        self.block[:, : host.shape[1]].copy_(self._staged(host), non_blocking=True)
+        # (10 rows where the graphs hold 11: speculation switched off since the capture; the draft's row goes unread)
+        self.block[: host.shape[0], : host.shape[1]].copy_(self._staged(host), non_blocking=True)
         if self.is_graphed:
             self.graphs[("prefill", bucket)].replay()
         else:

@@ -287,9 +287,9 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 @pytest.mark.parametrize("speculating", [False, True], ids=["plain", "draft"])
 @torch.inference_mode()
 def test_prefill_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny_tokenizer, tmp_path, speculating):
-    """Buckets 16 (1 and 16 tokens, two sequences in one), 32, 128, 384 and 512 (a 480-token prompt), fp32: the
-    padded graphs against the unpadded eager steps (fla's chunk kernels use TF32 on Hopper either way)."""
-    args = dict(max_num_seqs=2, prefill_graph_max_tokens=512)
+    """Two prompts a step (1 + 16 tokens: bucket 32; 17 + 100: 128; 300 + 480: 1024), fp32: the padded graphs
+    against the unpadded eager steps (fla's chunk kernels use TF32 on Hopper either way)."""
+    args = dict(max_num_seqs=2, prefill_graph_max_tokens=1024)
     if speculating:
         from jetserve.spec.eagle3 import make_draft_checkpoint
 
@@ -300,7 +300,7 @@ def test_prefill_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny
     def make(**extra):
         return make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, **(args | extra)).engine
 
-    assert make().runner.prefill_graphs.buckets == [16, 32, 64, 128, 256, 384, 512]
+    assert make().runner.prefill_graphs.buckets == [16, 32, 64, 128, 256, 384, 512, 768, 1024]
     _check_prefill_graphs(make, prompts, rel=1e-3, logprob_tol=5e-3)
 
 

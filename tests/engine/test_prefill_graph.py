@@ -104,6 +104,10 @@ def test_padded_prefill_catches_the_draft_up_as_the_eager_step(
         k: v for k, v in stats.as_dict().items() if "ms" in k
     }
     assert padded.engine.is_idle_and_clean()
+    # Speculation off (the bucket's rows hold no draft row then), then back on: the same greedy tokens.
+    for enabled in (False, True):
+        padded.engine.set_speculation(enabled)
+        assert [o.output_token_ids for o in padded.generate(prompts[:3], greedy())] == greedy_alone[:3]
 
 
 def test_which_steps_replay_a_bucket(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):

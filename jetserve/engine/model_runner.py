@@ -626,7 +626,7 @@ class ModelRunner:
 
     def use_prefill_graphs(self, buckets: list[int], max_seqs: int, capture: bool) -> None:
         """PREFILL steps of up to max(buckets) tokens in up to `max_seqs` sequences replay their bucket's graphs
-        (`engine.prefill_graph`; after `attach_spec` and `capture_graphs`, whose pool they share). Without `capture`
+        (`engine.prefill_graph`; after `attach_spec`; a graph pool of their own). Without `capture`
         (a device without graphs: the CPU tests) they run the same padded steps eagerly."""
         self.prefill_graphs = PrefillGraphs(self, buckets, max_seqs, capture)
 

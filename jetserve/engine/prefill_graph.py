@@ -119,9 +119,11 @@ class PrefillGraphs:
             steps.append((("prefill", bucket), forward))
             if self.runner.spec is not None:
                 steps.append((("catch_up", bucket), lambda bucket=bucket: self._catch_up(bucket)))
-        graph_runner = self.runner.graph_runner
-        pool = graph_runner.pool if graph_runner is not None else None
-        self.pool = _capture_all(steps, self.graphs, pool)
+        # A pool of their own: between a bucket's two graphs the step may replay a speculative flush graph, whose
+        # scratch in the decode graphs' pool could lie where this bucket's forward batch and features are kept (on
+        # the GPU, a batch-8 run read such overwritten rows out of bounds). The memory plan reserves the largest
+        # bucket's activations for it.
+        self.pool = _capture_all(steps, self.graphs, None)
         torch.cuda.synchronize()
 
     def run(self, batch: Batch, slots: np.ndarray, bucket: int) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:

@@ -31,15 +31,20 @@ def draft_dir(tiny_checkpoint, tmp_path_factory):
     return str(make_draft_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200))
 
 
-def generate(tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str, **engine_args):
+def generate(
+    tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str, padded=None, **engine_args
+):  # fmt: skip
     """(greedy tokens per request, the draft's feature ring and last hidden states or None). mode: "plain" (no
     draft), "verify" (a chain draft verified at every step) or "ready" (a draft kept ready while the policy decodes
-    plainly: features into the ring, catch-ups)."""
+    plainly: features into the ring, catch-ups). `padded` (buckets, max sequences): PREFILL steps padded as a prefill
+    graph's (`engine.prefill_graph`), run eagerly."""
     spec = dict(draft=draft_dir, spec_topk=1, spec_steps=2, spec_feature_ring=4) if mode != "plain" else {}
     set_backend(backend)
     try:
         config = EngineConfig(model=str(tiny_checkpoint), **(ENGINE_ARGS | spec | engine_args))
         engine = LLMEngine(config, model=tiny_model, tokenizer=None)
+        if padded is not None:
+            engine.runner.use_prefill_graphs(*padded, capture=False)
         if mode != "plain":
             engine.spec.policy.forced_option = 0 if mode == "verify" else -1
         for i, prompt in enumerate(prompts):
@@ -113,3 +118,24 @@ def test_chunked_prefill_continues_from_the_stored_state(tiny_checkpoint, tiny_m
     got, _ = generate(tiny_checkpoint, tiny_model, "triton", [prompt], "plain", draft_dir, max_num_batched_tokens=4)
     assert got == want
     assert seen["fresh"] > 0 and seen["continuing"] > 0, seen
+
+
+@pytest.mark.parametrize("mode", ["plain", "ready"])
+def test_padded_prefill_steps_on_the_triton_ops(tiny_checkpoint, tiny_model, draft_dir, monkeypatch, mode):
+    """A prefill graph's padded steps (`engine.prefill_graph`, run eagerly) on the Triton ops: the varlen conv, fla's
+    chunk kernels with the table padded past the padding sequence's end, the attention over the padding sequence in
+    slot 0 and the K/V metadata of padded rows — two prompts in one step of bucket 16, then chunks of 6 continuing
+    from the slots' states — generate what the reference engine does unpadded, and leave the draft as it does."""
+    seen = count_chunk_tables(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5)]
+    for budget in (8192, 6):
+        args = dict(max_num_batched_tokens=budget)
+        want, want_draft = generate(tiny_checkpoint, tiny_model, "reference", prompts, mode, draft_dir, **args)
+        got, got_draft = generate(tiny_checkpoint, tiny_model, "triton", prompts, mode, draft_dir, ([16], 2), **args)
+        assert got == want, budget
+        if mode != "plain":  # every slot's but the padding slot's, which the padded rows write
+            for a, b in zip(got_draft, want_draft, strict=True):
+                torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
+    # Every padded step's table continues (a graph's never says fresh), and none is read back.
+    assert seen["continuing"] > 0 and seen["fresh"] == 0 and seen["none: cu_seqlens read back"] == 0, seen

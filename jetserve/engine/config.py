@@ -58,7 +58,8 @@ class EngineConfig:
     # capture (`graph_split`), so their number does not slow them (a process's fourth capture did: sessions 32-33).
     cuda_graph_batch_sizes: str | None = None
     # PREFILL steps of up to this many tokens (in up to 8 sequences, no image rows or log-probs) replay a CUDA graph of
-    # their token bucket (`engine.prefill_graph`): a batch-1 prefill is host-bound, ~60 µs of launches a kernel. 0: off.
+    # their token bucket (`engine.prefill_graph`; no bucket past max_model_len): a batch-1 prefill is host-bound, ~60 µs
+    # of launches a kernel. 0: off.
     prefill_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)
@@ -139,12 +140,12 @@ class EngineConfig:
                 f"({self.max_num_batched_tokens}), so no verify step could run"
             )
 
-    @property
-    def prefill_graph_buckets(self) -> list[int]:
-        """The token buckets of the prefill graphs a single-GPU engine captures (none with enforce_eager, or 0)."""
+    def prefill_graph_buckets(self, max_model_len: int) -> list[int]:
+        """The token buckets of the prefill graphs a single-GPU engine captures (none with enforce_eager, or 0): none
+        past `max_model_len`, so that a bucket's padding sequence stays within a sequence's positions and pages."""
         if self.enforce_eager or self.tensor_parallel_size > 1:
             return []
-        return prefill_buckets(self.prefill_graph_max_tokens, self.max_num_batched_tokens)
+        return prefill_buckets(min(self.prefill_graph_max_tokens, max_model_len), self.max_num_batched_tokens)
 
     @property
     def speculation(self) -> tuple[int, int]:

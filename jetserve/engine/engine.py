@@ -124,8 +124,9 @@ class LLMEngine:
             self.runner.capture_graphs(batch_sizes)
             if self.spec is not None:
                 self.spec.capture_graphs(batch_sizes)
-            if config.prefill_graph_buckets:
-                self.runner.use_prefill_graphs(config.prefill_graph_buckets, self.prefill_graph_seqs, capture=True)
+            buckets = config.prefill_graph_buckets(self.plan.max_model_len)
+            if buckets:
+                self.runner.use_prefill_graphs(buckets, self.prefill_graph_seqs, capture=True)
         self.output_processor = OutputProcessor(tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
@@ -143,9 +144,11 @@ class LLMEngine:
             activation_bytes = profile_activation_bytes(
                 model, config.max_num_batched_tokens, config.max_num_seqs, num_logit_rows
             )
-            if config.prefill_graph_buckets:  # the prefill graphs' pool holds their largest step's activations
+            # The prefill graphs' pool holds their largest step's activations (its bucket at most the model's).
+            buckets = config.prefill_graph_buckets(config.max_model_len or self.model_config.max_position_embeddings)
+            if buckets:
                 seqs = self.prefill_graph_seqs
-                activation_bytes += profile_activation_bytes(model, config.prefill_graph_buckets[-1], seqs, seqs + 1)
+                activation_bytes += profile_activation_bytes(model, buckets[-1], seqs, seqs + 1)
         budget = cache_budget_bytes(config, device, activation_bytes)
         draft_page_bytes = draft_slot_bytes = 0
         if self.draft is not None:

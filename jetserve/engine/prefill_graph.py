@@ -38,11 +38,12 @@ PREFILL_GRAPH_MAX_SEQS = 8
 
 
 def prefill_buckets(max_tokens: int, step_budget: int) -> list[int]:
-    """The buckets up to `max_tokens` (itself a bucket, as is the step budget where it is smaller): [] for 0."""
+    """The buckets up to `max_tokens` (itself a bucket, as is the step budget where it is smaller); none below the
+    smallest bucket (16: a step budget or a context that short runs eagerly), none for 0."""
     limit = min(max_tokens, step_budget)
-    if limit < 1:
+    if limit < PREFILL_GRAPH_TOKENS[0]:
         return []
-    return sorted({*(t for t in PREFILL_GRAPH_TOKENS if t < limit), max(limit, 16)})
+    return sorted({*(t for t in PREFILL_GRAPH_TOKENS if t < limit), limit})
 
 
 @dataclass

@@ -289,7 +289,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 def test_prefill_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny_tokenizer, tmp_path, speculating):
     """Two prompts a step (1 + 16 tokens: bucket 32; 17 + 100: 128; 300 + 480: 1024), fp32: the padded graphs
     against the unpadded eager steps (fla's chunk kernels use TF32 on Hopper either way)."""
-    args = dict(max_num_seqs=2, prefill_graph_max_tokens=1024)
+    args = dict(max_num_seqs=2, prefill_graph_max_tokens=1024, max_model_len=1024)
     if speculating:
         from jetserve.spec.eagle3 import make_draft_checkpoint
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_engine import MAX_TOKENS, greedy, make_llm
 
+from jetserve.engine.config import EngineConfig
 from jetserve.engine.prefill_graph import prefill_buckets
 from jetserve.engine.scheduler import Batch
 from jetserve.generate import generate_tokens
@@ -159,4 +160,12 @@ def test_bucket_lists():
     assert prefill_buckets(1024, 8192) == [16, 32, 64, 128, 256, 384, 512, 768, 1024]
     assert prefill_buckets(1000, 8192)[-2:] == [768, 1000]
     assert prefill_buckets(4096, 600) == [16, 32, 64, 128, 256, 384, 512, 600]
-    assert prefill_buckets(8, 8192) == [16]
+    assert prefill_buckets(8, 8192) == [] and prefill_buckets(2048, 7) == []  # under the smallest bucket: eager
+    config = EngineConfig(prefill_graph_max_tokens=2048)
+    assert config.prefill_graph_buckets(4096)[-1] == 2048
+    assert config.prefill_graph_buckets(300)[-2:] == [256, 300]  # no padding sequence longer than a sequence may be
+    assert EngineConfig(enforce_eager=True).prefill_graph_buckets(4096) == []
+    assert EngineConfig(prefill_graph_max_tokens=0).prefill_graph_buckets(4096) == []
+    assert EngineConfig(tensor_parallel_size=2).prefill_graph_buckets(4096) == []
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        EngineConfig(prefill_graph_max_tokens=-1)

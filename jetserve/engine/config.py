@@ -57,9 +57,9 @@ class EngineConfig:
     # batches in between pad up, past the largest run eagerly. A single-GPU engine captures them all in one stream
     # capture (`graph_split`), so their number does not slow them (a process's fourth capture did: sessions 32-33).
     cuda_graph_batch_sizes: str | None = None
-    # PREFILL steps of up to this many tokens (in up to 8 sequences, no image rows or log-probs) replay a CUDA graph of
-    # their token bucket (`engine.prefill_graph`; no bucket past max_model_len): a batch-1 prefill is host-bound, ~60 µs
-    # of launches a kernel. 0: off.
+    # PREFILL steps of up to this many tokens (up to 8 sequences, no image rows or prompt log-probs) replay a CUDA
+    # graph of their token bucket (`engine.prefill_graph`; no bucket past max_model_len): a batch-1 prefill is
+    # host-bound, ~60 µs of launches a kernel. 0: off.
     prefill_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # ranks (GPUs) one engine's model is split over (jetserve.distributed)
     data_parallel_size: int = 1  # engine replicas behind one server (jetserve.server.router)

@@ -58,6 +58,10 @@ class _Bucket:
 
 
 class PrefillGraphs:
+    """The static rows a replay reads (`block`: `ModelRunner.prefill_host_rows`' [10 or 11, T_b + 1] rows of the
+    largest bucket; `tokens` [N_b]: the step's samples, the draft's last inputs), and per bucket its graphs and what
+    their capture left in place (`_Bucket`). Without `capture`, `run` and `catch_up` run the same padded steps."""
+
     def __init__(self, runner: ModelRunner, buckets: list[int], max_seqs: int, capture: bool) -> None:
         assert buckets and max_seqs >= 1
         self.runner = runner
@@ -69,7 +73,7 @@ class PrefillGraphs:
         self.block = torch.zeros(num_rows, width + width % 2, dtype=torch.int64, device=runner.device)  # the rows
         self.tokens = torch.zeros(self.rows, dtype=torch.int64, device=runner.device)  # [N_b] the step's samples
         self.held: dict[int, _Bucket] = {}
-        self._layouts: dict[int, PrefillLayout] = {}  # bucket → its rows' layout (the same every step but `fresh`)
+        self._layouts: dict[int, PrefillLayout] = {}  # bucket → its rows' layout (the same every step)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.is_graphed = capture

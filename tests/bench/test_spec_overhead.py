@@ -1,0 +1,43 @@
+"""bench/spec_overhead.py on the CPU (the embedded default pair, reference ops): a row with the speed-up, its median
+wave and interval, and one JSON line; with every draft wrong the speculating engine's tokens are plain decoding's;
+bad counts are a one-line error."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_row_and_a_json_line(tmp_path, run_bench):
+    out = tmp_path / "overhead.jsonl"
+    run = run_bench("bench/spec_overhead.py", "--waves", "2", "--output-len", "3", "--json", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["waves"] == 2 and row["requests"] == 2 and row["forced_acceptance"] == "wrong"
+    assert row["plain_s"] > 0 and row["spec_s"] > 0
+    assert row["speedup"] == row["plain_s"] / row["spec_s"]
+    low, high = row["speedup_ci95"]
+    assert low <= high and row["speedup_median_wave"] > 0
+    assert row["requests_equal_to_plain"] == 2  # fp32 on the CPU: exact whatever the drafts
+    assert "95% interval" in run.stdout
+
+
+def test_bad_counts_are_a_one_line_error(run_bench):
+    run = run_bench("bench/spec_overhead.py", "--waves", "0")
+    assert run.returncode == 2 and "--waves" in run.stderr.strip().splitlines()[-1]
+
+
+def test_bootstrap_interval_brackets_the_ratio():
+    overhead = load_bench("spec_overhead")
+    plain, spec = [1.0, 1.1, 0.9, 1.2], [1.1, 1.0, 1.0, 1.3]
+    low, high = overhead.bootstrap_interval(plain, spec)
+    assert low <= sum(plain) / sum(spec) <= high
+    assert overhead.bootstrap_interval([1.0] * 5, [2.0] * 5) == (0.5, 0.5)

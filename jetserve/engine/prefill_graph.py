@@ -76,6 +76,9 @@ class PrefillGraphs:
         self._layouts: dict[int, PrefillLayout] = {}  # bucket → its rows' layout (the same every step)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # The draft's catch-up runs in the step's `attn` K/V metadata (its pages are those layers'): a model without
+        # `attn` layers prefills eagerly while it speculates.
+        self.catches_up = runner.spec is not None and runner.has_attn
         self.is_graphed = capture
         if capture:
             self._capture()
@@ -83,6 +86,8 @@ class PrefillGraphs:
     def bucket(self, batch: Batch) -> int | None:
         """The bucket a PREFILL batch replays, or None when it runs eagerly."""
         if len(batch.seqs) >= self.rows or batch.num_tokens > self.buckets[-1]:
+            return None
+        if self.runner.spec is not None and not self.catches_up:
             return None
         if any(s.images is not None or s.wants_prompt_logprobs for s in batch.seqs):
             return None
@@ -122,7 +127,7 @@ class PrefillGraphs:
                 self._forward(bucket)
 
             steps.append((("prefill", bucket), forward))
-            if self.runner.spec is not None:
+            if self.catches_up:
                 steps.append((("catch_up", bucket), lambda bucket=bucket: self._catch_up(bucket)))
         # A pool of their own: between a bucket's two graphs the step may replay a speculative flush graph, whose
         # scratch in the decode graphs' pool could lie where this bucket's forward batch and features are kept (on

@@ -10,14 +10,17 @@ import pytest
 import torch
 from test_engine import MAX_TOKENS, greedy, make_llm
 
+from jetserve.checkpoint import make_checkpoint, preset_config
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.prefill_graph import prefill_buckets
 from jetserve.engine.scheduler import Batch
 from jetserve.generate import generate_tokens
 from jetserve.model.forward_batch import Phase
+from jetserve.model.loader import load_model
 from jetserve.ops.gated_delta_rule.chunk_table import CHUNK_SIZE
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint
+from jetserve.tokenizer import load_tokenizer
 
 # Lengths cross the page size (4), the SWA window (16), a chunk (64) and the buckets below; one is a single token.
 PROMPT_LENGTHS = (1, 5, 17, 33, 70, 16)
@@ -169,3 +172,27 @@ def test_bucket_lists():
     assert EngineConfig(tensor_parallel_size=2).prefill_graph_buckets(4096) == []
     with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
         EngineConfig(prefill_graph_max_tokens=-1)
+
+
+def test_a_model_without_attn_layers_speculates_eagerly_and_padded(tmp_path, prompts):
+    """The draft's prefill catch-up takes the step's `attn` K/V metadata (its pages are those layers'); a model of
+    JetBlocks and sliding-window layers alone has none, so the catch-up builds its own (eager steps) and a padded step
+    has no bucket. Greedy speculative output stays plain greedy either way."""
+    config = preset_config("tiny") | {"layer_types": ["jet", "swa", "jet", "swa"]}
+    checkpoint = make_checkpoint(config, tmp_path / "no-attn", seed=3)
+    model = load_model(checkpoint, dtype="float32", device="cpu")
+    tokenizer = load_tokenizer(checkpoint)
+    want = [generate_tokens(model, p, MAX_TOKENS).token_ids for p in prompts[:4]]
+    draft = str(make_draft_checkpoint(checkpoint, tmp_path / "draft", seed=2, draft_vocab_size=200))
+    args = dict(draft=draft, spec_topk=1, spec_steps=3, spec_adaptive=False, max_num_seqs=2)
+    for padded in (False, True):
+        if padded:
+            llm = padded_llm(checkpoint, model, tokenizer, **args)
+        else:
+            llm = make_llm(checkpoint, model, tokenizer, max_model_len=160, **args)
+        assert not llm.engine.runner.has_attn
+        outs = llm.generate(prompts[:4], greedy())
+        assert [o.output_token_ids for o in outs] == want
+        assert llm.engine.spec_stats.num_verify_steps > 0
+        if padded:
+            assert llm.replayed == {}

@@ -63,6 +63,11 @@ def add_offline_bench_arguments(p: argparse.ArgumentParser) -> None:
         "batches in between pad up, past the largest run eagerly",
     )  # fmt: skip
     p.add_argument(
+        "--prefill-graph-max-tokens", type=int, default=EngineConfig.prefill_graph_max_tokens,
+        help="prefill steps of up to this many tokens replay a CUDA graph of their token bucket (0: eager; "
+        "default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="launch each decode or verify step before reading the previous one's tokens (default: on)",
     )  # fmt: skip
@@ -254,6 +259,7 @@ def _engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         cuda_graph_batch_sizes=getattr(args, "cuda_graph_batch_sizes", None),
+        prefill_graph_max_tokens=getattr(args, "prefill_graph_max_tokens", EngineConfig.prefill_graph_max_tokens),
         overlap_scheduling=args.overlap_scheduling,
         seed=args.seed,
     )

@@ -35,6 +35,8 @@ def test_bench_offline_rejects_bad_arguments():
         run_offline_bench(parse(["--config", "tiny", "--batch-sizes", "1,x", "--device", "cpu"]))
     with pytest.raises(ValueError, match="--output-len"):
         run_offline_bench(parse(["--config", "tiny", "--output-len", "1", "--device", "cpu"]))
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        run_offline_bench(parse(["--config", "tiny", "--prefill-graph-max-tokens", "-1", "--device", "cpu"]))
 
 
 @pytest.mark.parametrize("forced", ["right", "all", "wrong"])

@@ -252,9 +252,12 @@ def _prefill_snapshot(engine: LLMEngine) -> list[torch.Tensor]:
     return tensors
 
 
-def _check_prefill_graphs(make, prompts: list[list[int]], rel: float, logprob_tol: float) -> None:
+def _check_prefill_graphs(
+    make, prompts: list[list[int]], rel: float, logprob_tol: float, buckets: list[int] | None = None
+) -> None:
     """Prefill every prompt (one token each, log-probs on) through an engine replaying prefill graphs and through
-    one prefilling eagerly: the same first tokens (up to near-ties), log-probs and written state."""
+    one prefilling eagerly: the same first tokens (up to near-ties), log-probs and written state; `buckets`: the
+    buckets the steps must have replayed, in order."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2)
     graphed, eager = make(), make(prefill_graph_max_tokens=0)
     graphs = graphed.runner.prefill_graphs
@@ -264,6 +267,7 @@ def _check_prefill_graphs(make, prompts: list[list[int]], rel: float, logprob_to
     graphs.run = lambda batch, slots, bucket: replayed.append(bucket) or run(batch, slots, bucket)
     want, got = _generate(eager, prompts, params), _generate(graphed, prompts, params)
     assert len(replayed) >= len(prompts) // 2, replayed
+    assert buckets is None or replayed == buckets, replayed
     for a, b in zip(want, got, strict=True):
         x, y = a.logprobs[0], b.logprobs[0]
         if x.token_id != y.token_id:
@@ -302,6 +306,21 @@ def test_prefill_graph_replay_equals_eager_tiny(tiny_checkpoint, gpu_model, tiny
 
     assert make().runner.prefill_graphs.buckets == [16, 32, 64, 128, 256, 384, 512, 768, 1024]
     _check_prefill_graphs(make, prompts, rel=1e-3, logprob_tol=5e-3)
+
+
+@torch.inference_mode()
+def test_every_prefill_bucket_replays_equal_eager(tiny_checkpoint, gpu_model, tiny_tokenizer):
+    """Each of the default buckets (16 … 2048), replayed for a prompt 3 tokens short of it, one prompt a step."""
+    args = dict(max_num_seqs=1, max_model_len=2100, num_pages=1024)
+
+    def make(**extra):
+        return make_llm(tiny_checkpoint, gpu_model, tiny_tokenizer, **(args | extra)).engine
+
+    buckets = make().runner.prefill_graphs.buckets
+    assert buckets == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (b - 3,), generator=gen).tolist() for b in buckets]
+    _check_prefill_graphs(make, prompts, rel=1e-3, logprob_tol=5e-3, buckets=buckets)
 
 
 @torch.inference_mode()

@@ -108,6 +108,11 @@ def attach_parts(engine: LLMEngine, timer: PartTimer) -> None:
     timer.wrap(engine.scheduler, "postprocess", "postprocess")
     if runner.spec is not None:
         timer.wrap(runner, "_catch_up_prefill", "draft catch-up")
+    graphs = runner.prefill_graphs
+    if graphs is not None:  # a graphed step: the rows and their copy, then the replay (no layer parts)
+        timer.wrap(graphs, "run", "prefill graph (host rows, copy, replay)")
+        if runner.spec is not None:
+            timer.wrap(graphs, "catch_up", "draft catch-up graph")
 
 
 def profile_length(engine: LLMEngine, prompt: list[int], top: int) -> dict:

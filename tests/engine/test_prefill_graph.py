@@ -41,7 +41,7 @@ def greedy_alone(tiny_model, prompts) -> list[list[int]]:
 def padded_llm(tiny_checkpoint, tiny_model, tiny_tokenizer, max_seqs=2, **engine_args):
     """An engine whose PREFILL steps of up to 96 tokens in up to `max_seqs` sequences run padded to their bucket;
     `replayed` counts them by bucket."""
-    llm = make_llm(tiny_checkpoint, tiny_model, tiny_tokenizer, max_model_len=160, **engine_args)
+    llm = make_llm(tiny_checkpoint, tiny_model, tiny_tokenizer, **({"max_model_len": 160} | engine_args))
     runner = llm.engine.runner
     runner.use_prefill_graphs(BUCKETS, max_seqs, capture=False)
     graphs = runner.prefill_graphs
@@ -73,6 +73,18 @@ def test_padded_prefill_steps_equal_each_prompt_alone(
             assert sum(llm.replayed.values()) >= sum(-(-n // budget) for n in PROMPT_LENGTHS) / max_num_seqs
         if max_num_seqs == 1 and budget == 8192:  # each prompt alone: 1, 5, 16 → 16, 17 → 32, 33 → 48, 70 → 96
             assert llm.replayed == {16: 3, 32: 1, 48: 1, 96: 1}
+
+
+def test_padded_prefill_under_preemption(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts, greedy_alone):
+    """Two usable slots and 21 usable pages of 4 tokens (the longest request's 80 tokens): sequences are preempted
+    and recomputed through padded prefill steps (their generated tokens included), and every request still gets its
+    unbatched tokens."""
+    llm = padded_llm(tiny_checkpoint, tiny_model, tiny_tokenizer, num_pages=22, num_slots=3, max_model_len=84)
+    many = prompts + prompts[::-1]
+    outs = llm.generate(many, greedy())
+    assert [o.output_token_ids for o in outs] == greedy_alone + greedy_alone[::-1]
+    assert llm.engine.scheduler.num_preemptions > 0 and sum(llm.replayed.values()) > len(many) / 2
+    assert llm.engine.is_idle_and_clean()
 
 
 def test_padded_prefill_keeps_seeded_sampling_and_logprobs(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):

@@ -426,7 +426,8 @@ class ModelRunner:
         empty sequences and row N_b − 1 a padding sequence of the T_b − T pad tokens (positions 0 onward); all of
         them in slot 0 from no stored state, so they write only the reserved slot 0 and nothing in the K/V caches. The
         chunk table is padded to the bucket's count with chunks past the padding sequence's end, which the chunk
-        kernels mask whole. `batch` None: no real sequence (a graph's capture)."""
+        kernels mask whole; and never `fresh` (whether a row starts from a stored state is the device's
+        has_initial_state in a graph, whatever step it replays). `batch` None: no real sequence (a graph's capture)."""
         seqs = [] if batch is None else batch.seqs
         real_lens = [] if batch is None else batch.num_new_tokens
         real_starts = [] if batch is None else batch.start_positions
@@ -473,7 +474,8 @@ class ModelRunner:
             num_cols, max_seqlen_q = -(-int(context.max()) // self.page_size), int(lens.max())
         else:
             num_cols, max_seqlen_q = self.plan.max_pages_per_seq, num_tokens
-        return host, PrefillLayout(num_tokens, num_seqs, num_chunks, num_cols, max_seqlen_q, not starts.any())
+        fresh = padded is None and not starts.any()
+        return host, PrefillLayout(num_tokens, num_seqs, num_chunks, num_cols, max_seqlen_q, fresh)
 
     def prefill_device_batch(
         self, block: torch.Tensor, layout: PrefillLayout

@@ -17,7 +17,6 @@ the unpadded step.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,7 +72,11 @@ class PrefillGraphs:
         self.block = torch.zeros(num_rows, width + width % 2, dtype=torch.int64, device=runner.device)  # the rows
         self.tokens = torch.zeros(self.rows, dtype=torch.int64, device=runner.device)  # [N_b] the step's samples
         self.held: dict[int, _Bucket] = {}
-        self._layouts: dict[int, PrefillLayout] = {}  # bucket → its rows' layout (the same every step)
+        # bucket → the rows of padding alone (what the capture runs on) and their layout, every step's in that bucket
+        self._pad_rows: dict[int, tuple[np.ndarray, PrefillLayout]] = {
+            bucket: runner.prefill_host_rows(None, np.zeros(0, dtype=np.int64), padded=(bucket, self.rows))
+            for bucket in self.buckets
+        }
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # The draft's catch-up runs in the step's `attn` K/V metadata (its pages are those layers'): a model without
@@ -93,16 +96,10 @@ class PrefillGraphs:
             return None
         return next(t for t in self.buckets if t >= batch.num_tokens)
 
-    def _layout(self, bucket: int, batch: Batch | None, slots: np.ndarray) -> np.ndarray:
-        host, layout = self.runner.prefill_host_rows(batch, slots, padded=(bucket, self.rows))
-        # Whether a row starts from a stored state is the device's has_initial_state in a graph, never the host's.
-        self._layouts[bucket] = dataclasses.replace(layout, fresh=False)
-        return host
-
     def _forward(self, bucket: int) -> None:
         """The target's forward and logits of the bucket's rows, from the static block (what graph A captures)."""
         runner = self.runner
-        fb, counters, draft_inputs = runner.prefill_device_batch(self.block, self._layouts[bucket])
+        fb, counters, draft_inputs = runner.prefill_device_batch(self.block, self._pad_rows[bucket][1])
         hidden = runner.model(fb)  # [T_b, hidden]
         logits = runner.model.compute_logits(hidden[fb.last_indices])  # [N_b, V]
         self.held[bucket] = _Bucket(fb, counters, draft_inputs, logits, runner.model.aux_hidden_states)
@@ -119,7 +116,7 @@ class PrefillGraphs:
 
         steps = []
         for bucket in reversed(self.buckets):  # largest first: the smaller reuse the pool's blocks
-            host = self._layout(bucket, None, np.zeros(0, dtype=np.int64))
+            host = self._pad_rows[bucket][0]
 
             def forward(bucket=bucket, host=host) -> None:
                 if not torch.cuda.is_current_stream_capturing():  # the run before the capture: rows of pad alone
@@ -139,7 +136,7 @@ class PrefillGraphs:
     def run(self, batch: Batch, slots: np.ndarray, bucket: int) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         """Replay the bucket's forward for `batch`: returns its forward batch (the bucket's), sampling counters and
         logits, the real rows' [N] (views of the graph's outputs, valid until the next replay)."""
-        host = self._layout(bucket, batch, slots)
+        host, _ = self.runner.prefill_host_rows(batch, slots, padded=(bucket, self.rows))
         # (10 rows where the graphs hold 11: speculation switched off since the capture; the draft's row goes unread)
         self.block[: host.shape[0], : host.shape[1]].copy_(self._staged(host), non_blocking=True)
         if self.is_graphed:

@@ -8,11 +8,17 @@ of 8 prompts spread ±20–35%), which rounds of many prompts each could not res
 wall over the speculating engine's); the table gives the total ratio, the median of the waves' ratios, and a 95%
 bootstrap interval of the total ratio over the waves. The policy instance persists across waves, as in a server.
 
+`--draft-kept` adds a third run of each wave: speculation on, every step plain (the policy forced to plain decoding), so
+that what keeping the draft caught up costs (its feature ring's catch-ups, its prefill catch-up, the plain steps'
+host work) is told apart from what the policy's verify steps cost. The waves then run plain, speculating, draft-kept,
+and the next wave in the reverse order.
+
 `--forced-acceptance wrong` (the default) makes every draft wrong: the overhead of speculating when it never pays;
 `right` drafts each request's plain greedy continuation; `none` keeps the draft's own drafts. There is no roofline:
-the figure is a ratio of two host-bound runs of the same work. One JSON line per run with --json.
+the figure is a ratio of two host-bound runs of the same work. One JSON line per run with --json, each wave's seconds
+in each run and the speculating run's verify steps per wave included.
 Usage: python bench/spec_overhead.py [--model default --draft default] [--batch-size 1] [--waves 24]
-       [--output-len 128] [--forced-acceptance wrong|right|none] [--json FILE]
+       [--output-len 128] [--forced-acceptance wrong|right|none] [--draft-kept] [--json FILE]
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def main() -> None:
     p.add_argument("--waves", type=int, default=24, help="waves of --batch-size prompts, each run both ways")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--forced-acceptance", choices=("wrong", "right", "none"), default="wrong")
+    p.add_argument("--draft-kept", action="store_true", help="also run each wave speculating with every step plain")
     p.add_argument("--json", help="append one JSON line to this file")
     args = p.parse_args()
     if min(args.batch_size, args.waves, args.output_len) < 1:
@@ -84,35 +91,55 @@ def main() -> None:
     engine.set_speculation(False)
     _, reference = run_wave(engine, prompts, params, "reference")  # warms up; the drafts' continuations
     continuations = [reference[f"reference-{i}"] for i in range(len(prompts))]
-    plain, spec, agree = [], [], 0
-    verify_before = engine.spec_stats.num_verify_steps
+    modes = ("plain", "spec", "kept") if args.draft_kept else ("plain", "spec")
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    verify_steps = {mode: 0 for mode in modes}
+    wave_verify: list[int] = []  # the speculating run's verify steps, wave by wave
+    agree = 0
+    policy = engine.spec.policy
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
-        order = ("plain", "spec") if w % 2 == 0 else ("spec", "plain")
-        for mode in order:
-            engine.set_speculation(mode == "spec")
+        for mode in modes if w % 2 == 0 else modes[::-1]:
+            engine.set_speculation(mode != "plain")
+            policy.forced_option = -1 if mode == "kept" else None
             tag = f"{mode}{w}"
-            if mode == "spec" and forced is not None:
+            if mode != "plain" and forced is not None:  # made before the wave: not what speculating costs
                 for i, prompt in enumerate(wave):
-                    engine.spec.forced_continuations[f"{tag}-{i}"] = prompt + continuations[w * b + i]
-            seconds, outputs = run_wave(engine, wave, params, tag)
-            (plain if mode == "plain" else spec).append(seconds)
+                    row = engine.spec.forced_row(prompt + continuations[w * b + i])
+                    engine.spec.forced_continuations[f"{tag}-{i}"] = row
+            verify_before = engine.spec_stats.num_verify_steps
+            wall, outputs = run_wave(engine, wave, params, tag)
+            seconds[mode].append(wall)
+            verify_steps[mode] += engine.spec_stats.num_verify_steps - verify_before
+            if mode == "spec":
+                wave_verify.append(engine.spec_stats.num_verify_steps - verify_before)
             if mode == "spec":
                 agree += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
-    ratios = [a / s for a, s in zip(plain, spec, strict=True)]
-    low, high = bootstrap_interval(plain, spec)
+    policy.forced_option = None
+    plain = seconds["plain"]
     row = {
         "model": args.model, "draft": args.draft, "batch_size": b, "waves": args.waves, "output_len": args.output_len,
-        "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "spec_s": sum(spec),
-        "speedup": sum(plain) / sum(spec), "speedup_median_wave": statistics.median(ratios),
-        "speedup_ci95": [low, high], "verify_steps": engine.spec_stats.num_verify_steps - verify_before,
-        "requests_equal_to_plain": agree, "requests": len(prompts),
+        "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "wave_seconds": seconds,
+        "wave_verify_steps": wave_verify,
+        "verify_steps": verify_steps["spec"], "requests_equal_to_plain": agree,
+        "requests": len(prompts),
     }  # fmt: skip
-    print(f"{'batch':>5} {'waves':>5} {'plain s':>8} {'spec s':>8} {'speed-up':>9} {'median wave':>11} "
+    print(f"{'batch':>5} {'waves':>5} {'run':>11} {'plain s':>8} {'run s':>8} {'speed-up':>9} {'median wave':>11} "
           f"{'95% interval':>15} {'verify steps':>12} {'same as plain':>13}")  # fmt: skip
-    print(f"{b:>5} {args.waves:>5} {row['plain_s']:>8.3f} {row['spec_s']:>8.3f} {row['speedup']:>8.3f}x "
-          f"{row['speedup_median_wave']:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {row['verify_steps']:>12} "
-          f"{f'{agree}/{len(prompts)}':>13}")  # fmt: skip
+    for mode, name in (("spec", "speculating"), ("kept", "draft kept")):
+        if mode not in seconds:
+            continue
+        runs = seconds[mode]
+        low, high = bootstrap_interval(plain, runs)
+        median = statistics.median(a / s for a, s in zip(plain, runs, strict=True))
+        key = "" if mode == "spec" else "kept_"  # the speculating run's keys unprefixed, as before the third run
+        row |= {f"{mode}_s": sum(runs), f"{key}speedup": sum(plain) / sum(runs),
+                f"{key}speedup_median_wave": median, f"{key}speedup_ci95": [low, high]}  # fmt: skip
+        if mode == "kept":
+            row["kept_verify_steps"] = verify_steps["kept"]
+        same = f"{agree}/{len(prompts)}" if mode == "spec" else "-"
+        print(f"{b:>5} {args.waves:>5} {name:>11} {sum(plain):>8.3f} {sum(runs):>8.3f} {sum(plain) / sum(runs):>8.3f}x "
+              f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {verify_steps[mode]:>12} {same:>13}")  # fmt: skip
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

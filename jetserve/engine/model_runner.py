@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from jetserve.engine.host_copy import start_host_copy
+from jetserve.engine.host_copy import HostCopy, start_host_copy
 from jetserve.engine.memory_plan import MemoryPlan, ring_tokens_for
 from jetserve.engine.prefill_graph import PrefillGraphs
 from jetserve.engine.sampler import Sampler
@@ -84,8 +84,7 @@ class DecodeLaunch:
     state_indices: torch.Tensor  # [N]
     slots_host: np.ndarray  # [N] int64: `state_indices` on the host
     positions_host: np.ndarray  # [N] int64: `positions` on the host
-    host_tokens: torch.Tensor  # [N] int64: `tokens` on the host (pinned on a GPU), once `copied` has passed
-    copied: torch.cuda.Event | None  # recorded after the copy; None on the CPU (the tokens are host memory already)
+    host_tokens: HostCopy  # [N] int64: `tokens`' copy to the host, started
 
     @classmethod
     def start(
@@ -98,7 +97,7 @@ class DecodeLaunch:
         positions_host: np.ndarray,
     ) -> DecodeLaunch:
         """Start copying `tokens` to the host without waiting for them."""
-        return cls(seqs, tokens, positions, state_indices, slots_host, positions_host, *start_host_copy(tokens))
+        return cls(seqs, tokens, positions, state_indices, slots_host, positions_host, start_host_copy(tokens))
 
     @property
     def option(self) -> int:
@@ -113,9 +112,7 @@ class DecodeLaunch:
 
     def token_ids(self) -> list[int]:
         """The sampled tokens, one per sequence (waits for the step to finish on the device)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host_tokens.tolist()
+        return self.host_tokens.read()
 
 
 class ModelRunner:
@@ -207,9 +204,10 @@ class ModelRunner:
         hidden = self.model(fb, input_embeds)  # [T, hidden]; input_embeds None unless the chunks hold images
         logits = self.model.compute_logits(hidden[fb.last_indices])  # [N, V]
         tokens = self.sampler(logits, fb.state_indices, counters, slots)  # [N]
+        copy = start_host_copy(tokens)  # before the draft's catch-up: the tokens are read without waiting for it
         if draft_inputs is not None:
             self._catch_up_prefill(batch, fb, tokens, slots, draft_inputs)
-        out = StepOutput(tokens.tolist())
+        out = StepOutput(copy.read())
         if any(s.sampling_params.logprobs is not None for s in seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, seqs)
         if any(s.wants_prompt_logprobs for s in seqs):
@@ -222,10 +220,11 @@ class ModelRunner:
         graphs = self.prefill_graphs
         fb, counters, logits = graphs.run(batch, slots, bucket)  # [N] rows
         tokens = self.sampler(logits, fb.state_indices[: len(batch.seqs)], counters, slots)  # [N]
+        copy = start_host_copy(tokens)  # before the draft's catch-up: the tokens are read without waiting for it
         if self.spec is not None:
             self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
             graphs.catch_up(bucket, tokens)
-        out = StepOutput(tokens.tolist())
+        out = StepOutput(copy.read())
         if any(s.sampling_params.logprobs is not None for s in batch.seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, batch.seqs)
         return out

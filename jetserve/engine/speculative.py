@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from jetserve.engine.config import max_tree_nodes
-from jetserve.engine.host_copy import start_host_copy
+from jetserve.engine.host_copy import HostCopy, start_host_copy
 from jetserve.engine.sequence import Sequence
 from jetserve.model.forward_batch import ForwardBatch
 from jetserve.ops.feature_ring import store_features
@@ -74,6 +74,12 @@ MAX_EXPLORE_EVERY = 1024
 # tokens) within this share of the best option's time over the interval: a verify step of the default pair costs
 # ~6 plain steps at batch 1 (session 17), so exploring it every 64 steps cost ~6% of plain decoding's throughput.
 EXPLORE_BUDGET = 0.01
+# An exploration of a draft shape ends before its EXPLORE_SAMPLES timed steps once its drafts so far rule the shape
+# out with this risk of being wrong (`AdaptivePolicy.exploration_cannot_win`). Session 51, drafts forced wrong: at
+# batch 8, 196 verify steps in 2,304 cost the default pair 4.4% against a speculating engine that never verified.
+# A bound with one more whole acceptance than seen instead (no confidence) missed drafts that began to pay in 4 of 12
+# `policy_sim` runs at batch 1 (1.02x against 1.26x): two verify steps show too little.
+EXPLORE_STOP_RISK = 0.05
 # Once the policy finds plain decoding best for a bucket, it answers plain for that bucket's next SETTLED_STEPS steps
 # (never past its next exploration) without weighing the options again; new acceptance or a verify step's time ends
 # that early. On the GPU machine's host a speculating engine's plain step cost ~20 µs over a plain engine's (session
@@ -133,6 +139,8 @@ class _Run:
     started: int
     best_before: int | None = None
     num_chosen: int = 1  # the choice that started it
+    accepted: int = 0  # an exploration of a draft shape: drafts accepted by its verify steps so far
+    drafts: int = 0  # ... and the drafts (one a sequence a step) they verified
 
 
 class AdaptivePolicy:
@@ -146,7 +154,8 @@ class AdaptivePolicy:
     (plain steps launched ahead of the one in flight, verify steps whose draft had nothing to catch up on), and an
     option runs for several steps at a time — MIN_SAMPLES timed steps when a bucket first measures it, then every
     `EXPLORE_EVERY` steps of the bucket the least recently timed option runs again for EXPLORE_SAMPLES timed steps,
-    so the estimates follow changes in acceptance and load. While explorations keep confirming the best option the
+    so the estimates follow changes in acceptance and load (a draft shape's exploration ends sooner once its drafts
+    so far cannot win: `exploration_cannot_win`). While explorations keep confirming the best option the
     interval doubles (to `max_explore_every`: MAX_EXPLORE_EVERY, unless a variant sets its own), so a draft that
     never pays costs ever fewer exploration steps, and it snaps back to `EXPLORE_EVERY` when an exploration changes
     the choice. An interval is never shorter than keeps the costliest exploration within `EXPLORE_BUDGET` of the
@@ -223,7 +232,12 @@ class AdaptivePolicy:
         step = self.bucket_steps.get(bucket, 0)
         self.bucket_steps[bucket] = step + 1
         run = self.runs.get(bucket)
-        if run is not None and run.num_chosen < MAX_RUN_STEPS and self.num_timed[(run.option, bucket)] < run.until:
+        if (
+            run is not None
+            and run.num_chosen < MAX_RUN_STEPS
+            and self.num_timed[(run.option, bucket)] < run.until
+            and not self.exploration_cannot_win(run, bucket)
+        ):
             run.num_chosen += 1
             return run.option
         self.runs.pop(bucket, None)
@@ -298,10 +312,9 @@ class AdaptivePolicy:
         if option < 0 or self.shapes[option].topk != 1:
             return False
         seconds = self.step_seconds
-        timed = [c for c in self.options if (c, bucket) in seconds]
-        if not timed:
+        if not any((c, bucket) in seconds for c in self.options):
             return False
-        best_rate = max(self.tokens_per_step(c) / seconds[(c, bucket)] for c in timed)
+        best_rate = self.best_and_rate(bucket, seconds)[1]
         depth = self.shapes[option].max_depth
         for p, prefix in enumerate(self.shapes):
             lower = seconds.get((p, bucket))
@@ -317,6 +330,29 @@ class AdaptivePolicy:
                 return True
         return False
 
+    def exploration_cannot_win(self, run: _Run, bucket: int) -> bool:
+        """Whether an exploration of a draft shape may end before its timed steps: when the drafts its verify steps
+        have accepted so far bound the shape's tokens a step, with confidence 1 − EXPLORE_STOP_RISK, below what it
+        needs to beat the best option at the time the best had when the exploration began. The bound is Hoeffding's
+        on the mean accepted count (each draft accepts between 0 and D, the shape's depth): 1 + mean + D · sqrt(ln(1
+        / risk) / 2n) for n drafts. Its step time is the fastest of this run's timed steps, or its median if lower: a
+        median taken while the host stalled would end the very exploration that refreshes it. At batch 8 one verify
+        step of wrong drafts ends an exploration of the default pair's chain of 3; at batch 1 none does (6 drafts
+        leave the bound above the break-even). False for the first measurement, plain decoding, or before the run has
+        a verify step's acceptance and a timed step."""
+        if run.best_before is None or run.option < 0 or run.drafts == 0:
+            return False
+        key, best = (run.option, bucket), (run.best_before, bucket)
+        fresh = self.num_timed[key] - (run.until - EXPLORE_SAMPLES)  # this run's timed steps
+        seconds = self.step_seconds
+        if fresh <= 0 or best not in seconds:
+            return False
+        lower = min(seconds[key], *list(self.recent_seconds[key])[-fresh:])
+        depth = self.shapes[run.option].max_depth
+        spread = depth * math.sqrt(math.log(1.0 / EXPLORE_STOP_RISK) / (2 * run.drafts))
+        bound = 1.0 + run.accepted / run.drafts + spread
+        return bound / lower < self.tokens_per_step(run.best_before) / self.weighed_seconds(*best, seconds)
+
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
         self.runs[bucket] = _Run(option, until, step, best_before)
         self.plain_until.pop(bucket, None)
@@ -324,9 +360,31 @@ class AdaptivePolicy:
 
     def best(self, bucket: int) -> int:
         """The timed option with the most tokens per second at `bucket` (plain decoding when none is timed)."""
-        seconds = self.step_seconds
-        timed = [c for c in self.options if (c, bucket) in seconds]
-        return max(timed, key=lambda c: self.tokens_per_step(c) / seconds[(c, bucket)], default=-1)
+        return self.best_and_rate(bucket, self.step_seconds)[0]
+
+    def best_and_rate(self, bucket: int, seconds: dict[tuple[int, int], float]) -> tuple[int, float]:
+        """(the best timed option at `bucket`, its tokens a second): the draft shape with the most tokens per second
+        at its median, taken over plain decoding only if it beats it at its `weighed_seconds` (a tie goes to plain
+        decoding). Shapes are ranked among themselves at their own medians: weighed at plain decoding's time when a
+        stalled host inflated it, a chain of 7 and a chain of 3 would be ranked by their tokens a step alone."""
+        plain = seconds.get((-1, bucket))
+        shapes = [c for c in range(len(self.shapes)) if (c, bucket) in seconds]
+        top = max(shapes, key=lambda c: self.tokens_per_step(c) / seconds[(c, bucket)], default=None)
+        plain_rate = 0.0 if plain is None else 1.0 / plain
+        if top is None:
+            return -1, plain_rate
+        rate = self.tokens_per_step(top) / self.weighed_seconds(top, bucket, seconds)
+        return (-1, plain_rate) if plain_rate >= rate else (top, rate)
+
+    @staticmethod
+    def weighed_seconds(option: int, bucket: int, seconds: dict[tuple[int, int], float]) -> float:
+        """`option`'s step time at `bucket` as the options are weighed: its median, and for a draft shape no less than
+        plain decoding's. A verify step does a plain step's work and more, on the device and on the host, so a shape
+        timed faster was timed in a faster stretch of the host. (Session 51, the default pair at batch 8 with every
+        draft wrong: verify steps launched ahead timed 0.30-0.60 ms against plain steps' 0.16-1.2 ms, and a shape
+        that yields plain decoding's one token a step was chosen for 284 steps in a row, 14% of the steps.)"""
+        median = seconds[(option, bucket)]
+        return median if option < 0 else max(median, seconds.get((-1, bucket), median))
 
     def budget_steps(self, bucket: int, best: int) -> int:
         """Steps between explorations of `bucket` that keep the costliest one it may run (`_explorable`) within
@@ -386,6 +444,10 @@ class AdaptivePolicy:
                 depth = prefix.max_depth
                 counts = accepted_drafts if other == option else [min(a, depth) for a in accepted_drafts]
                 self._add_acceptance(other, sum(counts), len(counts), sum(a >= depth for a in counts))
+        run = self.runs.get(batch_bucket(len(accepted_drafts)))
+        if run is not None and run.option == option:
+            run.accepted += sum(accepted_drafts)
+            run.drafts += len(accepted_drafts)
         self._fold_settled()
         self.plain_until.clear()
 
@@ -512,8 +574,7 @@ class VerifyLaunch:
     prefix: torch.Tensor | None
     slots: torch.Tensor | None
     timer: _PhaseTimer
-    host_result: torch.Tensor  # [N, T_d + 2] int64: the result on the host (pinned on a GPU), once `copied` passed
-    copied: torch.cuda.Event | None  # None on the CPU
+    host_result: HostCopy  # [N, T_d + 2] int64: the result's copy to the host, started
     is_ahead: bool = False  # launched before the host read the step before it
 
     @classmethod
@@ -531,11 +592,8 @@ class VerifyLaunch:
         is_ahead: bool = False,
     ) -> VerifyLaunch:
         """Start copying `result` to the host without waiting for it."""
-        host, copied = start_host_copy(result)
-        if copied is None and use_graphs:  # a graph's buffer (graphs run eagerly on the CPU in tests)
-            host = host.clone()
-        return cls(seqs, slots_host, shape, is_all_greedy, use_graphs, result, prefix, slots, timer, host, copied,
-                   is_ahead)  # fmt: skip
+        return cls(seqs, slots_host, shape, is_all_greedy, use_graphs, result, prefix, slots, timer,
+                   start_host_copy(result), is_ahead)  # fmt: skip
 
     @property
     def option(self) -> int:
@@ -544,9 +602,7 @@ class VerifyLaunch:
 
     def result_rows(self) -> list[list[int]]:
         """The result rows (waits for the step to finish on the device)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host_result.tolist()
+        return self.host_result.read()
 
 
 # (the drafted tree, the sequences' slots [N] int64) → the tree to verify (tests and forced-acceptance runs).
@@ -622,7 +678,8 @@ class SpecDecoder:
         # that token + 1 ("wrong"), looked up by slot and position in a table filled when a sequence takes its slot.
         self.forced = forced
         self.forced_depth = forced_depth  # "all": accept at most this many drafts a step (None: the whole path)
-        self.forced_continuations: dict[str, list[int]] = {}  # request_id → prompt + its greedy continuation
+        # request_id → prompt + its greedy continuation: a list, or its row made beforehand (`forced_row`)
+        self.forced_continuations: dict[str, list[int] | torch.Tensor] = {}
         num_forced = plan.max_model_len + max(s.num_draft_tokens for s in shapes) if forced else 1
         self.forced_tokens = torch.zeros(plan.num_slots, num_forced, dtype=torch.int64, device=device)  # [S, L]
         self.graphs = None  # a SpecGraphRunner once `capture_graphs` ran
@@ -640,9 +697,17 @@ class SpecDecoder:
         tokens = self.forced_continuations.get(seq.request_id)
         if tokens is None:
             raise ValueError(f"forced acceptance: no continuation given for request {seq.request_id!r}")
-        row = torch.tensor(tokens[: self.forced_tokens.shape[1]], dtype=torch.int64)
-        self.forced_tokens[slot].zero_()
-        self.forced_tokens[slot, : row.shape[0]].copy_(row.to(self.forced_tokens.device))
+        row = tokens if isinstance(tokens, torch.Tensor) else self.forced_row(tokens)
+        self.forced_tokens[slot].copy_(row, non_blocking=True)  # queued behind the step in flight, not waited for
+
+    def forced_row(self, tokens: list[int]) -> torch.Tensor:
+        """A forced continuation as the row `on_claim` copies into the device table (pinned on a GPU, so that the copy
+        waits for nothing). Benchmarks make it before the run they time (session 51: made at the claim, it cost the
+        H200 host ~100 µs a request, 7% of a batch-1 prefill step of the default pair)."""
+        row = torch.zeros(self.forced_tokens.shape[1], dtype=torch.int64)
+        tokens = tokens[: row.shape[0]]
+        row[: len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        return row.pin_memory() if self.forced_tokens.is_cuda else row
 
     def verify_options(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """VerifyPlanner: the chosen shape then the smaller ones; none when a request wants log-probs (their

@@ -61,13 +61,17 @@ def test_policy_sim_takes_a_policy_class(tmp_path):
 def test_confirmed_switches_hold_through_host_stalls(tmp_path):
     """The candidate `ConfirmedSwitchPolicy` (a switch that no exploration made is confirmed by running both options
     a few steps apart before it is taken): the same as the engine's policy with a steady host, and closer to the
-    oracle when the host stalls (5x slower for ~20 steps every ~600), with wrong drafts and with drafts that pay."""
-    for tau in ("1,1", "3,2.5"):
+    oracle when the host stalls (5x slower for ~20 steps every ~600) with drafts that pay. With wrong drafts the
+    engine's policy holds through the stalls as well since session 51 (a shape is weighed no faster than plain
+    decoding, `AdaptivePolicy.weighed_seconds`: 0.947x → 0.992x here)."""
+    for tau, margin in (("1,1", 0.0), ("3,2.5", 0.02)):
         engine_steady, engine_stalls = simulate(tmp_path, "--tau", tau, *SESSION_44_HOST)
         steady, stalls = simulate(tmp_path, "--tau", tau, *SESSION_44_HOST, "--policy", "ConfirmedSwitchPolicy")
         assert steady["speedup"] == pytest.approx(engine_steady["speedup"], abs=0.005)
-        assert stalls["speedup"] >= engine_stalls["speedup"] + 0.02
+        assert stalls["speedup"] >= engine_stalls["speedup"] + margin
         assert stalls["speedup"] >= 0.95 * stalls["oracle_speedup"]
+    assert engine_stalls["speedup"] < 0.9 * engine_stalls["oracle_speedup"]  # drafts that pay: the engine's policy
+    assert simulate(tmp_path, "--tau", "1,1", *SESSION_44_HOST)[1]["speedup"] >= 0.98  # wrong drafts
 
 
 def test_drawn_acceptance_and_the_fresh_exploration_candidate(tmp_path):

@@ -90,3 +90,26 @@ def test_decode_draw_forms_counters_only_when_a_row_samples(temperature) -> None
     assert ("add" in ops.names) == (temperature > 0)
     if temperature == 0:
         assert ops.names == ["argmax"]
+
+
+@pytest.mark.parametrize("num_slots", [1, 5, 8])
+def test_parameters_reach_the_device_at_sync_only(num_slots):
+    """The five per-slot parameters share one device block (one copy a sync), each a [S] view of its dtype starting
+    16-byte aligned, with their defaults; a slot's values arrive at `sync`, and host writes after it do not leak."""
+    sampler = Sampler(num_slots=num_slots, device=torch.device("cpu"))
+    p = sampler.params
+    assert {name: t.dtype for name, t in p.items()} == {"seeds": torch.int64, "temperature": torch.float32,
+                                                        "top_k": torch.int32, "top_p": torch.float32,
+                                                        "min_p": torch.float32}  # fmt: skip
+    assert all(t.shape == (num_slots,) and t.data_ptr() % 16 == 0 for t in p.values())
+    assert p["top_p"].eq(1).all() and not any(p[n].any() for n in ("seeds", "temperature", "top_k", "min_p"))
+    slot = num_slots - 1
+    sampler.set_slot(slot, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1), seed=1234)
+    assert p["temperature"][slot] == 0  # not before the sync
+    sampler.sync()
+    got = [p[n][slot].item() for n in ("seeds", "temperature", "top_k", "top_p", "min_p")]
+    assert got == [1234, pytest.approx(0.7), 5, pytest.approx(0.9), pytest.approx(0.1)]
+    sampler.set_slot(slot, SamplingParams(temperature=0.2), seed=7)
+    assert p["seeds"][slot] == 1234 and p["temperature"][slot] == pytest.approx(0.7)
+    sampler.sync()
+    assert p["seeds"][slot] == 7 and p["top_k"][slot] == 0 and p["top_p"][slot] == 1

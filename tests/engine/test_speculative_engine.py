@@ -746,7 +746,8 @@ def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does(
     """A tree that never pays (1 token in `tree_seconds` against plain decoding's 1 token in 1 s) is explored ever more
     rarely: the interval doubles from EXPLORE_EVERY, and is never shorter than keeps the exploration's cost within
     EXPLORE_BUDGET of plain decoding's time — a 2 s tree costs 1 s a step over EXPLORE_SAMPLES + 1 = 6 steps, so
-    explorations are at least 6 · 1 / 0.01 = 600 steps apart."""
+    explorations are at least 6 · 1 / 0.01 = 600 steps apart. At batch 1 five wrong drafts are too few to end an
+    exploration early (`exploration_cannot_win`)."""
     policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
     seconds = {0: tree_seconds, -1: 1.0}
     accepted = [0]  # drafts accepted per verify step
@@ -779,6 +780,38 @@ def test_exploration_backs_off_while_it_changes_nothing_and_resets_when_it_does(
     run(EXPLORE_SAMPLES - 1)  # the rest of the exploration
     assert policy.choose(1) == 0  # judged: the tree is now the best option
     assert policy.explore_every[1] == EXPLORE_EVERY
+
+
+def test_an_exploration_ends_once_its_drafts_cannot_win_and_not_while_they_pay():
+    """An exploration of a chain ends early once the drafts its steps accepted bound the chain below the best option
+    with 95% confidence (`exploration_cannot_win`): at batch 8, one step of 8 wrong drafts is enough (Hoeffding: at
+    most 1 + 3 · sqrt(ln 20 / 16) = 2.3 tokens in 3 s against 1 in 1 s). Drafts that pay keep it running to its
+    EXPLORE_SAMPLES timed steps; so does a bucket's first measurement, which no best option judges."""
+    for accepted, length in ((0, 1), (3, EXPLORE_SAMPLES)):
+        policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+        chosen = []
+        for step in range(MAX_EXPLORE_EVERY + 2 * MIN_SAMPLES + EXPLORE_SAMPLES + 2):
+            option = policy.choose(8)
+            chosen.append(option)
+            if option == 0:  # wrong drafts until the first measurement is over, then `accepted` each
+                policy.record_acceptance(0, [accepted if step >= 2 * MIN_SAMPLES else 0] * 8)
+            policy.record_step(option, 8, {0: 3.0, -1: 1.0}[option])
+        assert chosen[: 2 * MIN_SAMPLES + 1] == [0] * MIN_SAMPLES + [-1] * (MIN_SAMPLES + 1)  # the first measurement
+        explored = chosen.index(0, 2 * MIN_SAMPLES)
+        assert chosen[explored : explored + length + 1] == [0] * length + [-1]
+
+
+def test_a_shape_timed_faster_than_plain_decoding_is_weighed_at_plain_decodings_time():
+    """A verify step does a plain step's work and more: a shape whose median came out below plain decoding's (a faster
+    stretch of the host) is weighed at plain decoding's time, so drafts that never pay never make it the best option,
+    and a tie goes to plain decoding; drafts that pay still do."""
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    measure(policy, 1, {0: 0.9, -1: 1.0})
+    policy.record_acceptance(0, [0])
+    assert policy.best(1) == -1
+    assert policy.weighed_seconds(0, 1, policy.step_seconds) == 1.0
+    policy.record_acceptance(0, [1])  # 1.5 tokens a step in plain decoding's time
+    assert policy.best(1) == 0
 
 
 def test_an_exploration_runs_until_its_option_is_timed_enough():

@@ -13,12 +13,16 @@ that what keeping the draft caught up costs (its feature ring's catch-ups, its p
 host work) is told apart from what the policy's verify steps cost. The waves then run plain, speculating, draft-kept,
 and the next wave in the reverse order.
 
+`--candidate NAME` adds a run of each wave speculating under a candidate policy (a class `bench/policy_sim.py` names,
+e.g. `FreshExplorationPolicy`, or `module:Class`), its own instance kept across waves as the engine's is: a GPU A/B
+of a policy the simulator favours, in the same waves as the engine's policy.
+
 `--forced-acceptance wrong` (the default) makes every draft wrong: the overhead of speculating when it never pays;
 `right` drafts each request's plain greedy continuation; `none` keeps the draft's own drafts. There is no roofline:
 the figure is a ratio of two host-bound runs of the same work. One JSON line per run with --json, each wave's seconds
 in each run and the speculating run's verify steps per wave included.
 Usage: python bench/spec_overhead.py [--model default --draft default] [--batch-size 1] [--waves 24]
-       [--output-len 128] [--forced-acceptance wrong|right|none] [--draft-kept] [--json FILE]
+       [--output-len 128] [--forced-acceptance wrong|right|none] [--draft-kept] [--candidate NAME] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from jetserve.assets import resolve_checkpoint
 from jetserve.engine.bench_offline import bench_prompts
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.speculative import AdaptivePolicy
 from jetserve.sampling_params import SamplingParams
 
 BOOTSTRAP_SAMPLES = 2000
@@ -73,6 +78,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--forced-acceptance", choices=("wrong", "right", "none"), default="wrong")
     p.add_argument("--draft-kept", action="store_true", help="also run each wave speculating with every step plain")
+    p.add_argument("--candidate", help="also run each wave speculating under this policy (bench/policy_sim.py's names)")
     p.add_argument("--json", help="append one JSON line to this file")
     args = p.parse_args()
     if min(args.batch_size, args.waves, args.output_len) < 1:
@@ -85,23 +91,30 @@ def main() -> None:
         max_model_len=2048, num_pages=4096, num_slots=args.batch_size + 2,
     )  # fmt: skip
     engine = LLMEngine(config, forced_acceptance=forced)
+    policies = {"spec": engine.spec.policy}
+    if args.candidate:
+        from policy_sim import load_policy  # bench/ is this script's folder
+
+        policies["cand"] = load_policy(args.candidate)(engine.spec.shapes, adaptive=True)
+    if args.draft_kept:  # its own instance: the engine's policy times only its own waves
+        policies["kept"] = AdaptivePolicy(engine.spec.shapes, adaptive=True)
+        policies["kept"].forced_option = -1
     b = args.batch_size
     prompts = bench_prompts(engine, "mtbench", b, 2048, 0, b * args.waves)[: b * args.waves]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     engine.set_speculation(False)
     _, reference = run_wave(engine, prompts, params, "reference")  # warms up; the drafts' continuations
     continuations = [reference[f"reference-{i}"] for i in range(len(prompts))]
-    modes = ("plain", "spec", "kept") if args.draft_kept else ("plain", "spec")
+    modes = ("plain", *policies)
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     verify_steps = {mode: 0 for mode in modes}
     wave_verify: list[int] = []  # the speculating run's verify steps, wave by wave
-    agree = 0
-    policy = engine.spec.policy
+    agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
         for mode in modes if w % 2 == 0 else modes[::-1]:
             engine.set_speculation(mode != "plain")
-            policy.forced_option = -1 if mode == "kept" else None
+            engine.spec.policy = policies.get(mode, policies["spec"])
             tag = f"{mode}{w}"
             if mode != "plain" and forced is not None:  # made before the wave: not what speculating costs
                 for i, prompt in enumerate(wave):
@@ -113,31 +126,32 @@ def main() -> None:
             verify_steps[mode] += engine.spec_stats.num_verify_steps - verify_before
             if mode == "spec":
                 wave_verify.append(engine.spec_stats.num_verify_steps - verify_before)
-            if mode == "spec":
-                agree += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
-    policy.forced_option = None
+            agree[mode] += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
+    engine.spec.policy = policies["spec"]
     plain = seconds["plain"]
     row = {
         "model": args.model, "draft": args.draft, "batch_size": b, "waves": args.waves, "output_len": args.output_len,
         "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "wave_seconds": seconds,
         "wave_verify_steps": wave_verify,
-        "verify_steps": verify_steps["spec"], "requests_equal_to_plain": agree,
+        "verify_steps": verify_steps["spec"], "requests_equal_to_plain": agree["spec"],
         "requests": len(prompts),
     }  # fmt: skip
     print(f"{'batch':>5} {'waves':>5} {'run':>11} {'plain s':>8} {'run s':>8} {'speed-up':>9} {'median wave':>11} "
           f"{'95% interval':>15} {'verify steps':>12} {'same as plain':>13}")  # fmt: skip
-    for mode, name in (("spec", "speculating"), ("kept", "draft kept")):
+    for mode, name in (("spec", "speculating"), ("cand", "candidate"), ("kept", "draft kept")):
         if mode not in seconds:
             continue
         runs = seconds[mode]
         low, high = bootstrap_interval(plain, runs)
         median = statistics.median(a / s for a, s in zip(plain, runs, strict=True))
-        key = "" if mode == "spec" else "kept_"  # the speculating run's keys unprefixed, as before the third run
+        key = "" if mode == "spec" else f"{mode}_"  # the speculating run's keys unprefixed, as before the third run
         row |= {f"{mode}_s": sum(runs), f"{key}speedup": sum(plain) / sum(runs),
                 f"{key}speedup_median_wave": median, f"{key}speedup_ci95": [low, high]}  # fmt: skip
-        if mode == "kept":
-            row["kept_verify_steps"] = verify_steps["kept"]
-        same = f"{agree}/{len(prompts)}" if mode == "spec" else "-"
+        if mode != "spec":
+            row[f"{mode}_verify_steps"] = verify_steps[mode]
+        if mode == "cand":
+            row |= {"candidate": args.candidate, "cand_requests_equal_to_plain": agree["cand"]}
+        same = f"{agree[mode]}/{len(prompts)}"
         print(f"{b:>5} {args.waves:>5} {name:>11} {sum(plain):>8.3f} {sum(runs):>8.3f} {sum(plain) / sum(runs):>8.3f}x "
               f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {verify_steps[mode]:>12} {same:>13}")  # fmt: skip
     if args.json:

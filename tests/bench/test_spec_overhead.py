@@ -55,3 +55,15 @@ def test_the_draft_kept_run_never_verifies(tmp_path, run_bench):
     assert [len(row["wave_seconds"][mode]) for mode in ("plain", "spec", "kept")] == [2, 2, 2]
     assert sum(row["wave_verify_steps"]) == row["verify_steps"]
     assert "draft kept" in run.stdout and "speculating" in run.stdout
+
+
+def test_a_candidate_policy_runs_in_the_same_waves(tmp_path, run_bench):
+    out = tmp_path / "overhead.jsonl"
+    run = run_bench("bench/spec_overhead.py", "--waves", "2", "--output-len", "3", "--candidate",
+                    "FreshExplorationPolicy", "--json", str(out))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["candidate"] == "FreshExplorationPolicy" and "kept_s" not in row
+    assert row["cand_speedup"] == row["plain_s"] / row["cand_s"] and row["cand_verify_steps"] > 0
+    assert len(row["wave_seconds"]["cand"]) == 2 and "candidate" in run.stdout
+    assert row["cand_requests_equal_to_plain"] == 2  # fp32 on the CPU: exact whatever the drafts

@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--model", default="default", help="checkpoint folder, or `default` (the embedded model)")
     p.add_argument("--draft", default="default", help="draft folder, or `default` (the embedded model's draft)")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--waves", type=int, default=24, help="waves of --batch-size prompts, each run both ways")
+    p.add_argument("--waves", type=int, default=24, help="waves of --batch-size prompts, each run every way")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--forced-acceptance", choices=("wrong", "right", "none"), default="wrong")
     p.add_argument("--draft-kept", action="store_true", help="also run each wave speculating with every step plain")
@@ -107,8 +107,7 @@ def main() -> None:
     continuations = [reference[f"reference-{i}"] for i in range(len(prompts))]
     modes = ("plain", *policies)
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
-    verify_steps = {mode: 0 for mode in modes}
-    wave_verify: list[int] = []  # the speculating run's verify steps, wave by wave
+    verify_steps: dict[str, list[int]] = {mode: [] for mode in modes}  # each run's verify steps, wave by wave
     agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
@@ -123,17 +122,15 @@ def main() -> None:
             verify_before = engine.spec_stats.num_verify_steps
             wall, outputs = run_wave(engine, wave, params, tag)
             seconds[mode].append(wall)
-            verify_steps[mode] += engine.spec_stats.num_verify_steps - verify_before
-            if mode == "spec":
-                wave_verify.append(engine.spec_stats.num_verify_steps - verify_before)
+            verify_steps[mode].append(engine.spec_stats.num_verify_steps - verify_before)
             agree[mode] += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
     engine.spec.policy = policies["spec"]
     plain = seconds["plain"]
     row = {
         "model": args.model, "draft": args.draft, "batch_size": b, "waves": args.waves, "output_len": args.output_len,
         "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "wave_seconds": seconds,
-        "wave_verify_steps": wave_verify,
-        "verify_steps": verify_steps["spec"], "requests_equal_to_plain": agree["spec"],
+        "wave_verify_steps": verify_steps["spec"],
+        "verify_steps": sum(verify_steps["spec"]), "requests_equal_to_plain": agree["spec"],
         "requests": len(prompts),
     }  # fmt: skip
     print(f"{'batch':>5} {'waves':>5} {'run':>11} {'plain s':>8} {'run s':>8} {'speed-up':>9} {'median wave':>11} "
@@ -148,12 +145,12 @@ def main() -> None:
         row |= {f"{mode}_s": sum(runs), f"{key}speedup": sum(plain) / sum(runs),
                 f"{key}speedup_median_wave": median, f"{key}speedup_ci95": [low, high]}  # fmt: skip
         if mode != "spec":
-            row[f"{mode}_verify_steps"] = verify_steps[mode]
+            row[f"{mode}_verify_steps"] = sum(verify_steps[mode])
         if mode == "cand":
             row |= {"candidate": args.candidate, "cand_requests_equal_to_plain": agree["cand"]}
         same = f"{agree[mode]}/{len(prompts)}"
         print(f"{b:>5} {args.waves:>5} {name:>11} {sum(plain):>8.3f} {sum(runs):>8.3f} {sum(plain) / sum(runs):>8.3f}x "
-              f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {verify_steps[mode]:>12} {same:>13}")  # fmt: skip
+              f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {sum(verify_steps[mode]):>12} {same:>13}")  # fmt: skip
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -39,9 +39,11 @@ class Sampler:
         # from pageable memory took ~200 µs of a new request's first step on the H200 host (session 51).
         self._block = np.zeros(size, np.uint8)
         self._host = {
-            name: self._block[offsets[name] : offsets[name] + num_slots * dtype.itemsize].view(str(dtype)[6:])
+            name: self._block[offsets[name] : offsets[name] + num_slots * dtype.itemsize].view(
+                str(dtype).removeprefix("torch.")
+            )
             for name, (dtype, _) in self._PARAMS.items()
-        }  # [S] each: views of the host block ("torch.int64" → "int64")
+        }  # [S] each: views of the host block
         for name, (_, initial) in self._PARAMS.items():
             self._host[name][:] = initial
         self._staging = torch.from_numpy(self._block.copy())

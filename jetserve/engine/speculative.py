@@ -367,16 +367,16 @@ class AdaptivePolicy:
         at its median, taken over plain decoding only if it beats it at its `weighed_seconds` (a tie goes to plain
         decoding). Shapes are ranked among themselves at their own medians: weighed at plain decoding's time when a
         stalled host inflated it, a chain of 7 and a chain of 3 would be ranked by their tokens a step alone."""
-        top, top_rate, top_seconds = -1, 0.0, 0.0
+        top, top_rate = -1, 0.0
         for c in range(len(self.shapes)):
             t = seconds.get((c, bucket))
             if t is not None and (rate := self.tokens_per_step(c) / t) > top_rate:
-                top, top_rate, top_seconds = c, rate, t
+                top, top_rate = c, rate
         plain = seconds.get((-1, bucket))
         if plain is None:
             return top, top_rate  # (-1, 0.0) when nothing is timed
-        if top >= 0 and top_seconds < plain:
-            top_rate = self.tokens_per_step(top) / plain  # `weighed_seconds`
+        if top >= 0:
+            top_rate = self.tokens_per_step(top) / self.weighed_seconds(top, bucket, seconds)
         return (-1, 1.0 / plain) if 1.0 / plain >= top_rate else (top, top_rate)
 
     @staticmethod

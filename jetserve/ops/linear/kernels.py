@@ -42,6 +42,7 @@ SWIGLU_WARPS = 8  # many weight rows, with this many warps
 # 3.5-4.2e-7 (cuBLAS 1.6-9.8e-7). One row's FMA tiles take no dot.
 FP32_DOT_PRECISION = "tf32x3"
 EARLY_WEIGHT_TILE = False  # under PDL, each program loads its first weight tile before waiting (probe: session 53)
+GEMM_SIGNALS_AT_WAIT = False  # under PDL, the next kernel may launch once the GEMM's wait returns (probe: session 53)
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -100,6 +101,7 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EARLY_TILE: tl.constexpr = 0,  # 1: the first weight tile is loaded before the PDL wait
+    SIGNAL_AT_WAIT: tl.constexpr = False,  # the next kernel may launch once this one's wait returns (else: its loop)
     PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -117,6 +119,8 @@ def _linear_kernel(
     if EARLY_TILE:  # the weight is a constant: its first tile is loaded before waiting on the previous kernel
         b_w = _weight_tile(p_w, o_k, 0, K, EVEN_K, BLOCK_K)
     pdl_enter(PDL)  # x is the previous kernel's output
+    if SIGNAL_AT_WAIT:
+        pdl_exit(PDL)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
@@ -134,7 +138,8 @@ def _linear_kernel(
         acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
         p_w += BLOCK_K
         p_x += BLOCK_K
-    pdl_exit(PDL)  # the next kernel's programs may start during this one's epilogue and tail
+    if not SIGNAL_AT_WAIT:
+        pdl_exit(PDL)  # the next kernel's programs may start during this one's epilogue and tail
     if USE_DOT:
         b_y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
@@ -658,6 +663,7 @@ def _launch(
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
         EARLY_TILE=int(EARLY_WEIGHT_TILE),
+        SIGNAL_AT_WAIT=GEMM_SIGNALS_AT_WAIT,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
         **pdl,

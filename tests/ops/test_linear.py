@@ -81,7 +81,7 @@ def test_linear_kernel_awkward_sizes(kernels, dtype: torch.dtype, num_rows: int,
     assert_matches(kernels.linear(x, weight, bias), x, weight, bias)
 
 
-@pytest.mark.parametrize("early_tile", [False, True])
+@pytest.mark.parametrize("early_tile", [0, 1, 2])
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_linear_kernel_awkward_sizes(kernels, dtype: torch.dtype, num_rows: int,
 def test_linear_kernel_every_path(
     kernels,
     monkeypatch: pytest.MonkeyPatch,
-    early_tile: bool,
+    early_tile: int,
     dtype: torch.dtype,
     has_bias: bool,
     num_rows: int,
@@ -237,7 +237,7 @@ def test_gated_norm_reference_and_checks() -> None:
         (16, 40, 4, 32, (16, 16, 64, 2, True)),  # tensor cores, split K, two heads per tile
     ],
 )
-@pytest.mark.parametrize("early_tile", [False, True])
+@pytest.mark.parametrize("early_tile", [0, 1, 2])
 def test_gated_norm_kernel_matches_reference(kernels, monkeypatch, early_tile, dtype, num_rows, n, heads, head,
                                              tiling) -> None:  # fmt: skip
     """The o_proj prologue: per-head RMSNorm of o, times the norm weight and silu(gate) (gate a strided view),
@@ -283,7 +283,7 @@ def test_swiglu_reference_is_silu_and_mul_then_linear() -> None:
         (7, 150, 2100, None),  # the heuristic's SwiGLU tiles (`swiglu_tiling`): 128 wide, split K, ragged N and K
     ],
 )
-@pytest.mark.parametrize("early_tile", [False, True])
+@pytest.mark.parametrize("early_tile", [0, 1, 2])
 def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, monkeypatch, early_tile, dtype, num_rows, n, k,
                                                         tiling) -> None:  # fmt: skip
     """The SwiGLU mode reads [gate | up] (here a column slice of a wider tensor) and multiplies silu(gate) * up,

@@ -41,7 +41,8 @@ SWIGLU_WARPS = 8  # many weight rows, with this many warps
 # (35.9), gate|up 200.3 → 45.3 (66.9), down 86.7 → 25.1 (87.0), o_proj 51.2 → 15.9 (31.2); errors 0.8-1.8e-6 →
 # 3.5-4.2e-7 (cuBLAS 1.6-9.8e-7). One row's FMA tiles take no dot.
 FP32_DOT_PRECISION = "tf32x3"
-EARLY_WEIGHT_TILE = False  # under PDL, each program loads its first weight tile before waiting (probe: session 53)
+EARLY_WEIGHT_TILE = 0  # 1: each program loads its first weight tile before its PDL wait; 2: and FMA tiles keep one
+# weight tile ahead in registers (probe: session 53)
 GEMM_SIGNALS_AT_WAIT = False  # under PDL, the next kernel may launch once the GEMM's wait returns (probe: session 53)
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
@@ -100,7 +101,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EARLY_TILE: tl.constexpr = 0,  # 1: the first weight tile is loaded before the PDL wait
+    EARLY_TILE: tl.constexpr = 0,  # 1: the first weight tile is loaded before the PDL wait; 2: and one tile ahead
     SIGNAL_AT_WAIT: tl.constexpr = False,  # the next kernel may launch once this one's wait returns (else: its loop)
     PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
@@ -125,19 +126,30 @@ def _linear_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    if EARLY_TILE:
-        b_x = _input_tile(p_x, 0, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
-                          BLOCK_M, BLOCK_K)  # fmt: skip
-        acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
-        p_w += BLOCK_K
-        p_x += BLOCK_K
-    for i in range(EARLY_TILE, num_tiles):
-        b_w = _weight_tile(p_w, o_k, i, K, EVEN_K, BLOCK_K)
-        b_x = _input_tile(p_x, i, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
-                          BLOCK_M, BLOCK_K)  # fmt: skip
-        acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
-        p_w += BLOCK_K
-        p_x += BLOCK_K
+    if EARLY_TILE == 2:  # one weight tile ahead in registers: tile i + 1's loads in flight while tile i is used
+        for i in range(0, num_tiles):
+            m_next = (o_k + (i + 1) * BLOCK_K < K) & (i + 1 < num_tiles)
+            b_next = tl.load(p_w + BLOCK_K, mask=m_next[None, :], other=0.0)
+            b_x = _input_tile(p_x, i, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
+                              BLOCK_M, BLOCK_K)  # fmt: skip
+            acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
+            b_w = b_next
+            p_w += BLOCK_K
+            p_x += BLOCK_K
+    else:
+        if EARLY_TILE == 1:
+            b_x = _input_tile(p_x, 0, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
+                              BLOCK_M, BLOCK_K)  # fmt: skip
+            acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
+            p_w += BLOCK_K
+            p_x += BLOCK_K
+        for i in range(EARLY_TILE, num_tiles):
+            b_w = _weight_tile(p_w, o_k, i, K, EVEN_K, BLOCK_K)
+            b_x = _input_tile(p_x, i, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
+                              BLOCK_M, BLOCK_K)  # fmt: skip
+            acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
+            p_w += BLOCK_K
+            p_x += BLOCK_K
     if not SIGNAL_AT_WAIT:
         pdl_exit(PDL)  # the next kernel's programs may start during this one's epilogue and tail
     if USE_DOT:
@@ -662,7 +674,7 @@ def _launch(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
-        EARLY_TILE=int(EARLY_WEIGHT_TILE),
+        EARLY_TILE=min(EARLY_WEIGHT_TILE, 1 if t.use_dot else 2),
         SIGNAL_AT_WAIT=GEMM_SIGNALS_AT_WAIT,
         num_warps=t.num_warps,
         num_stages=t.num_stages,

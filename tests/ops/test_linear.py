@@ -109,7 +109,8 @@ def test_linear_kernel_every_path(
     use_dot: bool,
 ) -> None:
     """The tiling heuristic picks a path from the shape; force each one (FMA / tl.dot, with and without split K), with
-    each program's first weight tile loaded apart from the loop (`EARLY_WEIGHT_TILE`) and in it."""
+    each program's first weight tile loaded in the loop, apart from it (`EARLY_WEIGHT_TILE` 1) or with FMA tiles one
+    tile ahead (2)."""
     monkeypatch.setattr(kernels, "EARLY_WEIGHT_TILE", early_tile)
     tiling = kernels.GemvTiling(block_m, block_n, block_k, num_splits, use_dot)
     x = randn(num_rows, k, dtype=dtype, seed=20).to(DEVICE)
@@ -241,7 +242,7 @@ def test_gated_norm_reference_and_checks() -> None:
 def test_gated_norm_kernel_matches_reference(kernels, monkeypatch, early_tile, dtype, num_rows, n, heads, head,
                                              tiling) -> None:  # fmt: skip
     """The o_proj prologue: per-head RMSNorm of o, times the norm weight and silu(gate) (gate a strided view),
-    rounded to o's dtype as gated_rms_norm rounds it, times the weight; the first tile apart from the loop or in it."""
+    rounded to o's dtype as gated_rms_norm rounds it, times the weight; every `EARLY_WEIGHT_TILE` form."""
     monkeypatch.setattr(kernels, "EARLY_WEIGHT_TILE", early_tile)
     k = heads * head
     o = randn(num_rows, k, dtype=dtype, seed=73, scale=3.0).to(DEVICE)
@@ -287,7 +288,7 @@ def test_swiglu_reference_is_silu_and_mul_then_linear() -> None:
 def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, monkeypatch, early_tile, dtype, num_rows, n, k,
                                                         tiling) -> None:  # fmt: skip
     """The SwiGLU mode reads [gate | up] (here a column slice of a wider tensor) and multiplies silu(gate) * up,
-    rounded as silu_and_mul rounds it, by the weight; the first tile apart from the loop or in it."""
+    rounded as silu_and_mul rounds it, by the weight; every `EARLY_WEIGHT_TILE` form."""
     monkeypatch.setattr(kernels, "EARLY_WEIGHT_TILE", early_tile)
     wide = randn(num_rows, 2 * k + 3, dtype=dtype, seed=52).to(DEVICE)
     gate_up = wide[:, 1 : 2 * k + 1]  # [M, 2K], row stride 2K + 3

@@ -97,14 +97,14 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     ]:  # fmt: skip
         consts = dict(HAS_BIAS=False, HAS_SILU=False, GATED=gated, NORM_HEAD=norm_head, IS_SPLIT=False, USE_DOT=False,
                       EVEN_M=True, EVEN_K=False, INPUT_PRECISION="tf32", BLOCK_M=1, BLOCK_N=block_n,
-                      BLOCK_K=block_k, EARLY_TILE=0, SIGNAL_AT_WAIT=False, PDL=True, **add)  # fmt: skip
+                      BLOCK_K=block_k, PDL=True, **add)  # fmt: skip
         out.append((label, linear, argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, warps, 1))
     consts = dict(HAS_BIAS=False, HAS_SILU=True, GATED=False, NORM_HEAD=0, IS_SPLIT=False, USE_DOT=True, EVEN_M=False,
-                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EARLY_TILE=0,
-                  SIGNAL_AT_WAIT=False, PDL=True, **no_add)  # fmt: skip
+                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True,
+                  **no_add)  # fmt: skip
     out.append(("linear tensor-core, fused input (8856 x 1536)", linear,
                 argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, 4, 4))  # fmt: skip
-    consts = dict(HAS_RESIDUAL=True, BLOCK_R=2, BLOCK_D=2048, SIGNAL_FIRST=False, PDL=True)
+    consts = dict(HAS_RESIDUAL=True, BLOCK_R=2, BLOCK_D=2048, PDL=True)
     ptrs = {n: bf16 for n in ("x", "r", "w", "y", "h")}
     out.append(
         ("rms_norm with residual, 1 row", rms_norm, argument_types(rms_norm, consts, ptrs, ("eps",)), consts, 4, 3)

@@ -81,7 +81,6 @@ def test_linear_kernel_awkward_sizes(kernels, dtype: torch.dtype, num_rows: int,
     assert_matches(kernels.linear(x, weight, bias), x, weight, bias)
 
 
-@pytest.mark.parametrize("early_tile", [0, 1, 2])
 @pytest.mark.parametrize("dtype", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize(
@@ -95,8 +94,6 @@ def test_linear_kernel_awkward_sizes(kernels, dtype: torch.dtype, num_rows: int,
 )
 def test_linear_kernel_every_path(
     kernels,
-    monkeypatch: pytest.MonkeyPatch,
-    early_tile: int,
     dtype: torch.dtype,
     has_bias: bool,
     num_rows: int,
@@ -108,10 +105,7 @@ def test_linear_kernel_every_path(
     num_splits: int,
     use_dot: bool,
 ) -> None:
-    """The tiling heuristic picks a path from the shape; force each one (FMA / tl.dot, with and without split K), with
-    each program's first weight tile loaded in the loop, apart from it (`EARLY_WEIGHT_TILE` 1) or with FMA tiles one
-    tile ahead (2)."""
-    monkeypatch.setattr(kernels, "EARLY_WEIGHT_TILE", early_tile)
+    """The tiling heuristic picks a path from the shape; force each one (FMA / tl.dot, with and without split K)."""
     tiling = kernels.GemvTiling(block_m, block_n, block_k, num_splits, use_dot)
     x = randn(num_rows, k, dtype=dtype, seed=20).to(DEVICE)
     weight = randn(n, k, dtype=dtype, seed=21, scale=k**-0.5).to(DEVICE)
@@ -238,12 +232,9 @@ def test_gated_norm_reference_and_checks() -> None:
         (16, 40, 4, 32, (16, 16, 64, 2, True)),  # tensor cores, split K, two heads per tile
     ],
 )
-@pytest.mark.parametrize("early_tile", [0, 1, 2])
-def test_gated_norm_kernel_matches_reference(kernels, monkeypatch, early_tile, dtype, num_rows, n, heads, head,
-                                             tiling) -> None:  # fmt: skip
+def test_gated_norm_kernel_matches_reference(kernels, dtype, num_rows, n, heads, head, tiling) -> None:
     """The o_proj prologue: per-head RMSNorm of o, times the norm weight and silu(gate) (gate a strided view),
-    rounded to o's dtype as gated_rms_norm rounds it, times the weight; every `EARLY_WEIGHT_TILE` form."""
-    monkeypatch.setattr(kernels, "EARLY_WEIGHT_TILE", early_tile)
+    rounded to o's dtype as gated_rms_norm rounds it, times the weight."""
     k = heads * head
     o = randn(num_rows, k, dtype=dtype, seed=73, scale=3.0).to(DEVICE)
     wide = randn(num_rows, k + 5, dtype=dtype, seed=74).to(DEVICE)
@@ -284,12 +275,9 @@ def test_swiglu_reference_is_silu_and_mul_then_linear() -> None:
         (7, 150, 2100, None),  # the heuristic's SwiGLU tiles (`swiglu_tiling`): 128 wide, split K, ragged N and K
     ],
 )
-@pytest.mark.parametrize("early_tile", [0, 1, 2])
-def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, monkeypatch, early_tile, dtype, num_rows, n, k,
-                                                        tiling) -> None:  # fmt: skip
+def test_swiglu_kernel_matches_silu_and_mul_then_linear(kernels, dtype, num_rows, n, k, tiling) -> None:
     """The SwiGLU mode reads [gate | up] (here a column slice of a wider tensor) and multiplies silu(gate) * up,
-    rounded as silu_and_mul rounds it, by the weight; every `EARLY_WEIGHT_TILE` form."""
-    monkeypatch.setattr(kernels, "EARLY_WEIGHT_TILE", early_tile)
+    rounded as silu_and_mul rounds it, by the weight."""
     wide = randn(num_rows, 2 * k + 3, dtype=dtype, seed=52).to(DEVICE)
     gate_up = wide[:, 1 : 2 * k + 1]  # [M, 2K], row stride 2K + 3
     weight = randn(n, k, dtype=dtype, seed=53, scale=k**-0.5).to(DEVICE)

@@ -41,9 +41,6 @@ SWIGLU_WARPS = 8  # many weight rows, with this many warps
 # (35.9), gate|up 200.3 → 45.3 (66.9), down 86.7 → 25.1 (87.0), o_proj 51.2 → 15.9 (31.2); errors 0.8-1.8e-6 →
 # 3.5-4.2e-7 (cuBLAS 1.6-9.8e-7). One row's FMA tiles take no dot.
 FP32_DOT_PRECISION = "tf32x3"
-EARLY_WEIGHT_TILE = 0  # 1: each program loads its first weight tile before its PDL wait; 2: and FMA tiles keep one
-# weight tile ahead in registers (probe: session 53)
-GEMM_SIGNALS_AT_WAIT = False  # under PDL, the next kernel may launch once the GEMM's wait returns (probe: session 53)
 PIPELINE_SMEM_BYTES = 200 * 1024  # what a tensor-core tiling's stages may hold (H100/H200: 227 KiB per block, less
 # Triton's own scratch); fp32 tiles of the gated-norm prologue overflowed 227 KiB at 4 stages
 
@@ -101,8 +98,6 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EARLY_TILE: tl.constexpr = 0,  # 1: the first weight tile is loaded before the PDL wait; 2: and one tile ahead
-    SIGNAL_AT_WAIT: tl.constexpr = False,  # the next kernel may launch once this one's wait returns (else: its loop)
     PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -117,41 +112,48 @@ def _linear_kernel(
     r_n = tl.minimum(o_n, N - 1).to(tl.int64)
     p_w = w + r_n[:, None] * stride_wn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
     p_x = x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    if EARLY_TILE:  # the weight is a constant: its first tile is loaded before waiting on the previous kernel
-        b_w = _weight_tile(p_w, o_k, 0, K, EVEN_K, BLOCK_K)
     pdl_enter(PDL)  # x is the previous kernel's output
-    if SIGNAL_AT_WAIT:
-        pdl_exit(PDL)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    if EARLY_TILE == 2:  # one weight tile ahead in registers: tile i + 1's loads in flight while tile i is used
-        for i in range(0, num_tiles):
-            m_next = (o_k + (i + 1) * BLOCK_K < K) & (i + 1 < num_tiles)
-            b_next = tl.load(p_w + BLOCK_K, mask=m_next[None, :], other=0.0)
-            b_x = _input_tile(p_x, i, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
-                              BLOCK_M, BLOCK_K)  # fmt: skip
-            acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
-            b_w = b_next
-            p_w += BLOCK_K
-            p_x += BLOCK_K
-    else:
-        if EARLY_TILE == 1:
-            b_x = _input_tile(p_x, 0, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
-                              BLOCK_M, BLOCK_K)  # fmt: skip
-            acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
-            p_w += BLOCK_K
-            p_x += BLOCK_K
-        for i in range(EARLY_TILE, num_tiles):
-            b_w = _weight_tile(p_w, o_k, i, K, EVEN_K, BLOCK_K)
-            b_x = _input_tile(p_x, i, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps, GATED, NORM_HEAD, EVEN_M, EVEN_K,
-                              BLOCK_M, BLOCK_K)  # fmt: skip
-            acc = _multiply_add(acc, b_w, b_x, USE_DOT, INPUT_PRECISION)
-            p_w += BLOCK_K
-            p_x += BLOCK_K
-    if not SIGNAL_AT_WAIT:
-        pdl_exit(PDL)  # the next kernel's programs may start during this one's epilogue and tail
+    for i in range(num_tiles):
+        if EVEN_K:
+            b_w = tl.load(p_w)
+            if EVEN_M:
+                b_x = tl.load(p_x)
+                if GATED:
+                    b_up = tl.load(p_x + K)
+            else:
+                b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
+                if GATED:
+                    b_up = tl.load(p_x + K, mask=m_m[:, None], other=0.0)
+        else:
+            m_k = (o_k + i * BLOCK_K) < K
+            b_w = tl.load(p_w, mask=m_k[None, :], other=0.0)
+            b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            if GATED:
+                b_up = tl.load(p_x + K, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if GATED:  # silu_and_mul's math and rounding: fp32, one rounding to x's dtype (0 where masked)
+            b_gate = b_x.to(tl.float32)
+            b_x = (b_gate * tl.sigmoid(b_gate) * b_up.to(tl.float32)).to(x.dtype.element_ty)
+        if NORM_HEAD > 0:  # gated_rms_norm's math and rounding; a tile holds whole heads (BLOCK_K % NORM_HEAD == 0)
+            o_kk = o_k + i * BLOCK_K
+            m_g = m_m[:, None] & (o_kk < K)[None, :]
+            b_g = tl.load(gate + o_m.to(tl.int64)[:, None] * stride_gm + o_kk[None, :], mask=m_g, other=0.0)
+            b_g = b_g.to(tl.float32)
+            b_nw = tl.load(norm_w + o_kk % NORM_HEAD, mask=o_kk < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+            b_o = tl.reshape(b_x.to(tl.float32), (BLOCK_M, BLOCK_K // NORM_HEAD, NORM_HEAD))
+            b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
+            b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
+            b_x = (b_o * b_nw[None, :] * (b_g * tl.sigmoid(b_g))).to(x.dtype.element_ty)
+        if USE_DOT:
+            acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
+        else:
+            acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
+        p_w += BLOCK_K
+        p_x += BLOCK_K
+    pdl_exit(PDL)  # the next kernel's programs may start during this one's epilogue and tail
     if USE_DOT:
         b_y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
@@ -170,65 +172,6 @@ def _linear_kernel(
                                N, BLOCK_ROW, BLOCK_P)  # fmt: skip
         else:
             tl.store(y + o_y, b_y.to(y.dtype.element_ty), mask=m_y)
-
-
-@triton.jit
-def _weight_tile(p_w, o_k, i, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The run's weight tile i [BLOCK_N, BLOCK_K], p_w pointing at it; columns past K read as 0."""
-    if EVEN_K:
-        b_w = tl.load(p_w)
-    else:
-        b_w = tl.load(p_w, mask=((o_k + i * BLOCK_K) < K)[None, :], other=0.0)
-    return b_w
-
-
-@triton.jit
-def _input_tile(
-    p_x, i, o_m, o_k, m_m, K, gate, stride_gm, norm_w, eps,
-    GATED: tl.constexpr, NORM_HEAD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The run's x tile i [BLOCK_M, BLOCK_K] (p_x pointing at it) in x's dtype, after the mode's prologue: silu(gate)
-    * up (GATED: up K columns to the right) or the gated RMSNorm over heads of NORM_HEAD; rows past M and columns past
-    K are 0."""
-    if EVEN_K:
-        if EVEN_M:
-            b_x = tl.load(p_x)
-            if GATED:
-                b_up = tl.load(p_x + K)
-        else:
-            b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
-            if GATED:
-                b_up = tl.load(p_x + K, mask=m_m[:, None], other=0.0)
-    else:
-        m_k = (o_k + i * BLOCK_K) < K
-        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if GATED:
-            b_up = tl.load(p_x + K, mask=m_m[:, None] & m_k[None, :], other=0.0)
-    if GATED:  # silu_and_mul's math and rounding: fp32, one rounding to x's dtype (0 where masked)
-        b_gate = b_x.to(tl.float32)
-        b_x = (b_gate * tl.sigmoid(b_gate) * b_up.to(tl.float32)).to(p_x.dtype.element_ty)
-    if NORM_HEAD > 0:  # gated_rms_norm's math and rounding; a tile holds whole heads (BLOCK_K % NORM_HEAD == 0)
-        o_kk = o_k + i * BLOCK_K
-        m_g = m_m[:, None] & (o_kk < K)[None, :]
-        b_g = tl.load(gate + o_m.to(tl.int64)[:, None] * stride_gm + o_kk[None, :], mask=m_g, other=0.0)
-        b_g = b_g.to(tl.float32)
-        b_nw = tl.load(norm_w + o_kk % NORM_HEAD, mask=o_kk < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-        b_o = tl.reshape(b_x.to(tl.float32), (BLOCK_M, BLOCK_K // NORM_HEAD, NORM_HEAD))
-        b_ms = tl.sum(b_o * b_o, axis=2) / NORM_HEAD  # [BLOCK_M, heads in the tile]
-        b_o = tl.reshape(b_o * tl.rsqrt(b_ms + eps)[:, :, None], (BLOCK_M, BLOCK_K))
-        b_x = (b_o * b_nw[None, :] * (b_g * tl.sigmoid(b_g))).to(p_x.dtype.element_ty)
-    return b_x
-
-
-@triton.jit
-def _multiply_add(acc, b_w, b_x, USE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """acc + the tiles' product: yᵀ [BLOCK_N, BLOCK_M] on tensor cores, or [BLOCK_M, BLOCK_N, BLOCK_K] FMA terms."""
-    if USE_DOT:
-        acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=INPUT_PRECISION)
-    else:
-        acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
-    return acc
 
 
 @triton.jit
@@ -674,8 +617,6 @@ def _launch(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
-        EARLY_TILE=min(EARLY_WEIGHT_TILE, 1 if t.use_dot else 2),
-        SIGNAL_AT_WAIT=GEMM_SIGNALS_AT_WAIT,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
         **pdl,

@@ -17,7 +17,6 @@ from jetserve.ops.norm.reference import (
 from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 
 MAX_BLOCK_D = 32768  # a whole row lives in registers: one pass, no second read of x
-NORM_SIGNALS_FIRST = False  # under PDL, the RMSNorm lets the next kernel launch before it waits (probe: session 53)
 TILE_ELEMENTS = 4096  # rows per program are chosen so a tile holds about this many elements
 
 
@@ -36,11 +35,8 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SIGNAL_FIRST: tl.constexpr = False,  # let the next kernel launch before this one waits (else once it is done)
     PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
-    if SIGNAL_FIRST:
-        pdl_exit(PDL)
     pdl_enter(PDL)
     i_r = tl.program_id(0)
     o_r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -58,8 +54,7 @@ def _rms_norm_kernel(
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = b_w[None, :] * (b_x * b_rstd[:, None])
     tl.store(y + o_r[:, None] * D + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_x)
-    if not SIGNAL_FIRST:
-        pdl_exit(PDL)
+    pdl_exit(PDL)
 
 
 @triton.jit
@@ -186,7 +181,6 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
-            SIGNAL_FIRST=NORM_SIGNALS_FIRST,
             num_warps=num_warps,
             **pdl_launch(x),
         )

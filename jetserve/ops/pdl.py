@@ -11,7 +11,10 @@ decode (`jetserve.ops.jet_mixer`) take part.
 Measured on an H200 (2B, 4K context, session 21): batch-1 TPOT 1.796 → 1.736 ms, batch 64 3.628 → 3.550 ms, batch 256
 7.98 → 8.04 ms (the same call, one GPU each). Session 20's versions also prefetched each GEMM's weight slice into L2
 before the wait, and lost (1.727 → 2.081 ms a batch-1 step): the prefetches of the next weights thrashed L2; prefetching
-only each program's first weight tile still cost (1.671 → 1.694 ms), so nothing is prefetched.
+only each program's first weight tile still cost (1.671 → 1.694 ms), so nothing is prefetched. Session 39's decode
+kernels with their state loads before the wait, and session 53's GEMMs with their first weight tile loaded (not
+prefetched) before it, RMSNorms signalling before their wait and GEMMs right after theirs, all measured slower
+(docs/kernels.md): each kernel waits before its first load and signals once its main work is done.
 
 On unless `JETSERVE_PDL=0` (envs.pdl), and only on CUDA devices of compute capability 9.0 or more with a Triton that
 has grid-dependency control; the interpreter never sees the instructions.

@@ -20,7 +20,7 @@ and once with the slow stretches, over `--seeds` seeds (means).
 One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
        [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
-       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|module:Class]
+       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|module:Class] [--shadow]
        [--json FILE]
 """
 
@@ -40,6 +40,10 @@ from jetserve.engine.speculative import EXPLORE_SAMPLES, MAX_RUN_STEPS, Adaptive
 # chain-3 verify step (session 44).
 PLAIN = (0.12, 0.15)
 SHAPES = ((DraftShape(1, 7, 8), 0.53, 0.30), (DraftShape(1, 3, 4), 0.39, 0.30))
+# GPU ms of each shape's draft graph alone at batch 1 (session 46, replayed back to back): what a shadow exploration
+# (`--shadow`) adds to the plain step it rides on
+DRAFT_GPU_MS = (0.195, 0.074)
+SHADOW_MARGIN = 0.8  # a shape whose estimated rate is below this share of plain decoding's is explored in shadow
 
 
 class ConfirmedSwitchPolicy(AdaptivePolicy):
@@ -119,15 +123,29 @@ def host_factors(steps: int, fast: int, slow: int, factor: float, seed: int) -> 
     return out[:steps]
 
 
-def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = PLAIN) -> float:
-    gpu, host_ms = plain if option < 0 else SHAPES[option][1:]
+def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = PLAIN, shadow: bool = False) -> float:
+    """A step's ms; `shadow`: a plain step that also runs `option`'s draft graph (a shadow exploration)."""
+    gpu, host_ms = plain if option < 0 or shadow else SHAPES[option][1:]
+    if shadow:
+        gpu += DRAFT_GPU_MS[option]
     return max(gpu, host_ms * host) if ahead else gpu + host_ms * host
+
+
+def shadows(policy: AdaptivePolicy, option: int, bucket: int) -> bool:
+    """`--shadow`: whether the policy's choice of draft shape `option` runs as a shadow exploration — it is an
+    exploration begun while plain decoding was best, and the shape's own estimate (tokens a step over its median
+    step time) is below SHADOW_MARGIN of plain decoding's rate; a shape that may be about to win is verified."""
+    run = policy.runs.get(bucket)
+    if run is None or run.option != option or run.best_before != -1:
+        return False
+    verify, plain = policy.medians.get((option, bucket)), policy.medians.get((-1, bucket))
+    return verify is not None and plain is not None and policy.tokens_per_step(option) / verify < SHADOW_MARGIN / plain
 
 
 def simulate(
     taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
     plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
-    seed: int = 0,
+    seed: int = 0, shadow: bool = False,
 ) -> dict:  # fmt: skip
     """One run: the policy chooses every step of the host's `factors`; returns the speed-up over plain decoding, the
     oracle's, and each option's share of the steps. `plain`: (GPU, host) ms of a plain step; `later_taus`: the
@@ -136,7 +154,15 @@ def simulate(
     With `accept_rates` ([before, after the midpoint]) acceptance is drawn instead: each draft depth is accepted with
     that probability if the one above it was (a chain draft's acceptance falls geometrically with depth, as measured),
     one draw a step shared by the shapes, so a chain of 3 accepts min(a, 3) where the chain of 7 accepts a — as the
-    policy assumes — and a step yields its own draw's tokens. The oracle then knows each option's mean τ."""
+    policy assumes — and a step yields its own draw's tokens. The oracle then knows each option's mean τ.
+
+    `shadow` models a design the engine does not have (session 53's proposal): an exploration of a draft shape begun
+    while plain decoding is the best option, of a shape estimated well below plain decoding's rate (`shadows`), runs
+    as plain steps that also draft, unverified — the drafts are compared
+    with the tokens plain decoding then emits (exact for greedy requests) — so a step costs a plain step plus the
+    draft graph and yields one token, and the policy gets the acceptance the drafts would have had. It is also handed
+    the verify step's own time for that step (a shadow step cannot time a verify step: the engine would keep the last
+    one it timed), an optimistic simplification."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
     depths = [shape.max_depth for shape, _, _ in SHAPES]
@@ -160,6 +186,7 @@ def simulate(
                 rates[1:] = mean_taus(accept_rates[1])
             elif later_taus is not None:
                 rates[1:] = later_taus
+        shadowed = shadow and chosen[k] >= 0 and shadows(policy, chosen[k], batch_bucket(batch))
         chosen.append(policy.choose(batch))  # the next step's choice comes before this step's results
         option = chosen[k]
         step_tokens = tau(option)
@@ -179,6 +206,8 @@ def simulate(
         ms = step_ms(option, host, ahead, plain)
         if ahead:
             policy.record_step(option, batch, ms / 1e3)
+        if shadowed:  # a plain step and the draft, one token
+            ms, step_tokens = step_ms(option, host, ahead, plain, shadow=True), 1.0
         seconds += ms
         tokens += step_tokens
         plain_seconds += step_ms(-1, host, True, plain) * step_tokens  # plain decoding's time for the same tokens
@@ -222,6 +251,8 @@ def main() -> None:
     p.add_argument("--policy", default="AdaptivePolicy",
                    help="AdaptivePolicy (the engine's), ConfirmedSwitchPolicy, FreshExplorationPolicy, "
                    "or module:Class")  # fmt: skip
+    p.add_argument("--shadow", action="store_true", help="explorations begun while plain is best run as plain steps "
+                   "that also draft, unverified (a proposal the engine does not have; see `simulate`)")  # fmt: skip
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]
@@ -238,14 +269,15 @@ def main() -> None:
         factors = [host_factors(args.steps, args.fast_steps, args.slow_steps, factor, seed)
                    for seed in range(args.seeds)]  # fmt: skip
         plain = (PLAIN[0], args.plain_host_ms)
-        runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed)
-                for seed, f in enumerate(factors)]  # fmt: skip
+        runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed,
+                         shadow=args.shadow) for seed, f in enumerate(factors)]  # fmt: skip
         mean = {key: sum(r[key] for r in runs) / len(runs) for key in ("speedup", "oracle_speedup")}
         shares = {name: sum(r["shares"][name] for r in runs) / len(runs) for name in runs[0]["shares"]}
         print(f"{factor:>7.2f} {mean['speedup']:>8.3f}x {mean['oracle_speedup']:>6.3f}x {shares['plain']:>6.1%} "
               f"{shares['1x7']:>6.1%} {shares['1x3']:>6.1%}")  # fmt: skip
         if args.json:
-            row = {"policy": args.policy, "tau": taus, "later_tau": later, "accept_rate": accept_rates,
+            row = {"policy": args.policy, "shadow": args.shadow, "tau": taus, "later_tau": later,
+                   "accept_rate": accept_rates,
                    "plain_host_ms": args.plain_host_ms,
                    "slow_factor": factor,
                    "fast_steps": args.fast_steps,

@@ -100,3 +100,20 @@ def test_the_engine_policy_runs_no_chain_that_cannot_win(tmp_path):
     assert turn["shares"]["1x7"] > 0.1 and turn["speedup"] > 1.15
     paying, _ = simulate(tmp_path, "--accept-rate", "0.9")
     assert paying["shares"]["1x7"] > 0.9
+
+
+def test_shadow_explorations_cost_less_where_drafts_lose_and_nothing_where_they_may_win(tmp_path):
+    """`--shadow` (session 53's proposal, not in the engine): an exploration of a shape estimated well below plain
+    decoding runs as plain steps that also draft. Wrong drafts cost less than verify-step explorations (the same
+    choices, cheaper steps); drafts near plain decoding's rate are still verified, so that run is unchanged; drafts
+    that start to pay are followed as before."""
+    verified, _ = simulate(tmp_path, "--tau", "1,1")
+    shadowed, _ = simulate(tmp_path, "--tau", "1,1", "--shadow")
+    assert shadowed["shadow"] and not verified["shadow"] and shadowed["shares"] == verified["shares"]
+    assert shadowed["speedup"] > verified["speedup"] + 0.004 and shadowed["speedup"] <= 1.0
+    near, _ = simulate(tmp_path, "--tau", "2.9,2.4")
+    near_shadowed, _ = simulate(tmp_path, "--tau", "2.9,2.4", "--shadow")
+    assert near_shadowed["speedup"] == pytest.approx(near["speedup"], abs=1e-3)
+    turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9")
+    turn_shadowed, _ = simulate(tmp_path, "--accept-rate", "0,0.9", "--shadow")
+    assert turn_shadowed["speedup"] >= turn["speedup"] - 1e-3 and turn_shadowed["shares"]["1x7"] > 0.1

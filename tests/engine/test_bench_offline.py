@@ -142,6 +142,9 @@ def test_bench_offline_mtbench_prompts_with_the_default_draft(capsys):
     print_table([BenchResult(**r)])
     table = capsys.readouterr().out
     assert "requests: 3 at batch 2, at most the batch size at a time, each to its end of turn" in table
+    # each row gives TPOT beyond its roofline (the step's fixed part: docs/performance.md, session 53)
+    row = next(line.split() for line in table.splitlines() if line.split()[:1] == ["2"])
+    assert float(row[8]) == pytest.approx(r["tpot_ms"] - r["tpot_roofline_ms"], abs=1e-3) and "(over)" in table
     for bad in (["--num-prompts", "0"], ["--dataset", "random", "--num-prompts", "4"]):
         with pytest.raises(ValueError, match="--num-prompts: needs --dataset mtbench"):
             run_offline_bench(parse(["--model", "default", "--dataset", "mtbench", "--device", "cpu", *bad]))

@@ -158,11 +158,12 @@ def simulate(
 
     `shadow` models a design the engine does not have (session 53's proposal): an exploration of a draft shape begun
     while plain decoding is the best option, of a shape estimated well below plain decoding's rate (`shadows`), runs
-    as plain steps that also draft, unverified — the drafts are compared
-    with the tokens plain decoding then emits (exact for greedy requests) — so a step costs a plain step plus the
-    draft graph and yields one token, and the policy gets the acceptance the drafts would have had. It is also handed
-    the verify step's own time for that step (a shadow step cannot time a verify step: the engine would keep the last
-    one it timed), an optimistic simplification."""
+    as plain steps that also draft, unverified — the drafts are compared with the tokens plain decoding then emits
+    (exact for greedy requests) — so a step costs a plain step plus the draft graph and yields one token, and the
+    policy gets the acceptance the drafts would have had. It is also handed the verify step's own time for that step
+    (a shadow step cannot time a verify step: the engine would keep the last one it timed), an optimistic
+    simplification; the first step of such a run is charged as one started with the pipeline empty, as a switch of
+    option is, a pessimistic one."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
     depths = [shape.max_depth for shape, _, _ in SHAPES]
@@ -206,7 +207,7 @@ def simulate(
         ms = step_ms(option, host, ahead, plain)
         if ahead:
             policy.record_step(option, batch, ms / 1e3)
-        if shadowed:  # a plain step and the draft, one token
+        if shadowed:  # what ran instead: a plain step and the draft, one token (the policy got the verify time above)
             ms, step_tokens = step_ms(option, host, ahead, plain, shadow=True), 1.0
         seconds += ms
         tokens += step_tokens

@@ -51,7 +51,7 @@ from timing import copy_bandwidth, smoke_or_gpu, time_ms, warm_clocks  # noqa: E
 from jetserve.ops.pdl import pdl_enter, pdl_exit, uses_pdl  # noqa: E402
 
 EPS = 1e-6
-SPIN_LIMIT = tl.constexpr(1 << 18)  # polls before a barrier gives up and flags it (programs not all resident)
+SPIN_LIMIT = tl.constexpr(1 << 16)  # polls before a barrier gives up and flags it (programs not all resident)
 NARROW_BLOCK_N = 16  # a narrow phase's output rows a tile: 96 row tiles x 4 splits = 2.9 items a program on 132 SMs
 NARROW_BLOCK_K = 256  # ... and its K tile
 NARROW_SPLITS = 4  # a narrow phase's K splits (its fp32 partials, added by the next phase's programs)
@@ -455,6 +455,8 @@ def main() -> None:
     p.add_argument("--prefetch", default="1,2,4", help="K tiles asked of L2 before each barrier, one variant each")
     p.add_argument("--tiles", default=str(Tiles()), help="tilings to run, comma-separated: wide rows / wide, gated "
                    "and narrow stages / warps (the first also for `launched`)")  # fmt: skip
+    p.add_argument("--programs-per-sm", default="1", help="programs an SM, comma-separated: 2 needs the tiling's "
+                   "registers and shared memory to let two stay resident (e.g. 4 warps)")  # fmt: skip
     p.add_argument("--json", default=None, help="append one JSON line per variant to this file")
     p.add_argument("--smoke", action="store_true", help="the CPU, the Triton interpreter, fp32, the smoke shapes")
     args = p.parse_args()
@@ -473,11 +475,15 @@ def main() -> None:
             (f"launched {tilings[0]}", first, first.launched),
             ("ops (the engine's)", first, lambda: engine_ops(wt)),
         ]
-        for tiles in tilings:
-            run = Runner(wt, programs, tiles, pdl)
-            variants.append((f"persistent {tiles}", run, run.persistent))
-            variants += [(f"persistent {tiles} +prefetch {n}", run, lambda run=run, n=n: run.persistent(n))
-                         for n in map(int, args.prefetch.split(","))]  # fmt: skip
+        for per_sm in map(int, args.programs_per_sm.split(",")):
+            for tiles in tilings:
+                run = Runner(wt, programs * per_sm, tiles, pdl)
+                label = f"{tiles} x{per_sm}"
+                if per_sm > 1:
+                    variants.append((f"launched {label}", run, run.launched))
+                variants.append((f"persistent {label}", run, run.persistent))
+                variants += [(f"persistent {label} +prefetch {n}", run, lambda run=run, n=n: run.persistent(n))
+                             for n in map(int, args.prefetch.split(","))]  # fmt: skip
         warm_clocks(device, first.launched)
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name()
@@ -498,8 +504,9 @@ def main() -> None:
     for label, run, fn in variants:
         run.flag.zero_()
         diff = ((fn().float() - expected).abs().max() / scale).item()
-        if run.flag.item():
-            raise SystemExit(f"{label}: a barrier gave up (its programs were not all resident)")
+        if run.flag.item():  # programs not all resident: this tiling cannot run persistent at this count
+            print(f"{label:<34} skipped: a barrier gave up (its programs were not all resident)")
+            continue
         tol = 5e-2 if label.startswith("ops") else 1e-2 if on_gpu else 1e-4
         if not diff < tol:
             raise SystemExit(f"{label}: result off by {diff:.3g} of its largest value (tolerance {tol})")

@@ -21,9 +21,10 @@ the whole normed row). Variants, each over the same weights and input, its resul
   one CUDA graph: what a batch-1 step runs now;
 - `barrier`: one launch of only barriers: what one costs.
 
-Prediction (before the run): today's ops ~40 µs a layer against a 25 µs roofline at the H200's 4.2 TB/s (~62%, the
-step's share); `launched` about the same; `persistent` −4 to −8 µs a layer (a barrier ~1 µs where a boundary costs
-~2.6), `persistent+prefetch` −8 to −12 (the DRAM stream kept busy across each barrier), i.e. 77–88% of the roofline.
+Predicted before the first run: `persistent` −4 to −8 µs a layer against `launched` (a barrier ~1 µs where a kernel
+boundary costs ~2.6), `persistent+prefetch` −8 to −12. Measured (session 54, an H100, docs/performance.md): a barrier
+1.04 µs, −9.2 µs a layer with the prefetch — but one program an SM streams each phase ~38% slower than the engine's
+kernels, so the best persistent variant was 20% slower than `ops`.
 Each figure is the median of CUDA-graph replays; the roofline is the chain's bytes (weights, x and the output once)
 over the copy bandwidth measured in the same run. One JSON line per variant with --json FILE.
 Usage: python bench/persistent_layers.py [--model 2b] [--layers 28] [--json FILE]

@@ -27,8 +27,10 @@ boundary costs ~2.6), `persistent+prefetch` −8 to −12. Measured (session 54,
 kernels, so the best persistent variant was 20% slower than `ops`.
 Each figure is the median of CUDA-graph replays; the roofline is the chain's bytes (weights, x and the output once)
 over the copy bandwidth measured in the same run. One JSON line per variant with --json FILE.
-Usage: python bench/persistent_layers.py [--model 2b] [--layers 28] [--json FILE]
-       python bench/persistent_layers.py --smoke   (the CPU, the Triton interpreter, one program: checks the math)
+Usage: python bench/persistent_layers.py [--model 2b] [--layers 28] [--tiles 4/5/4/5/8,...] [--prefetch 1,2,4]
+       [--programs-per-sm 1,2] [--json FILE]
+       python bench/persistent_layers.py --smoke   (the CPU, the Triton interpreter: launched over 3 programs,
+       persistent over 1, both against the reference)
 """
 
 from __future__ import annotations

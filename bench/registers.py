@@ -87,20 +87,22 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     ptrs = {n: bf16 for n in ("x", "w", "bias", "y", "gate", "norm_w", "residual", "h", "out_w")}
     ptrs |= {"partial": "*fp32", "sumsq": "*fp32", "ticket": "*i32"}
     no_add = dict(ADD_NORM=False, BLOCK_ROW=1, BLOCK_P=1)
-    for label, block_n, block_k, warps, norm_head, gated, add in [
-        ("linear one-row FMA, o_proj gated norm (1536 x 3072)", 4, 1024, 8, 256, False, no_add),
-        ("linear one-row FMA, down SwiGLU (1536 x 8960)", 2, 1024, 4, 0, True, no_add),
+    for label, block_n, block_k, warps, norm_head, gated, add, stages in [
+        ("linear one-row FMA, o_proj gated norm (1536 x 3072)", 4, 1024, 8, 256, False, no_add, 1),
+        ("linear one-row FMA, down SwiGLU (1536 x 8960)", 2, 1024, 4, 0, True, no_add, 1),
         ("... o_proj, + residual add and RMSNorm", 4, 1024, 8, 256, False, dict(ADD_NORM=True, BLOCK_ROW=2048,
-                                                                                 BLOCK_P=512)),
+                                                                                 BLOCK_P=512), 1),
         ("... down, + residual add and RMSNorm", 2, 1024, 4, 0, True, dict(ADD_NORM=True, BLOCK_ROW=2048,
-                                                                          BLOCK_P=1024)),
+                                                                          BLOCK_P=1024), 1),
+        ("... o_proj gated norm, a 3-stage loop", 4, 1024, 8, 256, False, no_add, 3),
+        ("... down SwiGLU, a 3-stage loop", 2, 1024, 4, 0, True, no_add, 3),
     ]:  # fmt: skip
         consts = dict(HAS_BIAS=False, HAS_SILU=False, GATED=gated, NORM_HEAD=norm_head, IS_SPLIT=False, USE_DOT=False,
                       EVEN_M=True, EVEN_K=False, INPUT_PRECISION="tf32", BLOCK_M=1, BLOCK_N=block_n,
-                      BLOCK_K=block_k, PDL=True, **add)  # fmt: skip
-        out.append((label, linear, argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, warps, 1))
+                      BLOCK_K=block_k, NUM_STAGES=stages, PDL=True, **add)  # fmt: skip
+        out.append((label, linear, argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, warps, stages))
     consts = dict(HAS_BIAS=False, HAS_SILU=True, GATED=False, NORM_HEAD=0, IS_SPLIT=False, USE_DOT=True, EVEN_M=False,
-                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True,
+                  EVEN_K=True, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, PDL=True,
                   **no_add)  # fmt: skip
     out.append(("linear tensor-core, fused input (8856 x 1536)", linear,
                 argument_types(linear, consts, ptrs, ("eps", "out_eps")), consts, 4, 4))  # fmt: skip

@@ -31,6 +31,7 @@ from jetserve.ops.pdl import pdl_enter, pdl_exit, pdl_launch
 MAX_BLOCK_M = 64  # rows of x one launch holds; more rows are processed in row blocks
 FMA_PROGRAMS_PER_SM = 2  # FMA tiles (one row): split K until about this many programs per SM exist
 FMA_LONG_K = 4096  # one-row FMA tiles: up to this K, 8 warps per program; past it, 2 rows per program (4 warps)
+FMA_STAGES = 1  # one-row FMA tiles: the loop's pipeline depth (1: none; occupancy keeps the loads in flight)
 MIN_TILES_PER_SPLIT = 8  # a K split streams at least this many BLOCK_K tiles (its pipeline's start-up is amortised)
 NORM_MIN_TILES_PER_SPLIT = 3  # ... and at least this many of the gated-norm mode's head-wide tiles (`widened_tiling`)
 SWIGLU_BLOCK_N = 128  # the SwiGLU mode's tensor-core tiles (`swiglu_tiling`): an x tile's silu(gate)·up feeds this
@@ -98,6 +99,8 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # the loop's software pipeline: without it on the loop, loads feeding no dot (FMA tiles)
+    # are never pipelined whatever the launch's num_stages (sm_90 PTX, session 54)
     PDL: tl.constexpr = False,  # programmatic dependent launch (`jetserve.ops.pdl`)
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -117,7 +120,7 @@ def _linear_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # yᵀ: the weight tile is the MMA's wide operand
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
-    for i in range(num_tiles):
+    for i in tl.range(num_tiles, num_stages=NUM_STAGES):
         if EVEN_K:
             b_w = tl.load(p_w)
             if EVEN_M:
@@ -383,7 +386,7 @@ def choose_tiling(num_rows: int, n: int, k: int, num_sms: int) -> GemvTiling:
         num_warps = 4
     else:
         long_k = k > FMA_LONG_K
-        block_m, block_n, num_stages = 1, min(2 if long_k else 4, triton.next_power_of_2(n)), 1
+        block_m, block_n, num_stages = 1, min(2 if long_k else 4, triton.next_power_of_2(n)), FMA_STAGES
         block_k = min(1024, triton.next_power_of_2(k))
         programs_n = triton.cdiv(n, block_n)
         wanted_splits = FMA_PROGRAMS_PER_SM * num_sms // programs_n
@@ -617,6 +620,7 @@ def _launch(
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,
+        NUM_STAGES=t.num_stages,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
         **pdl,

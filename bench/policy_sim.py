@@ -43,7 +43,6 @@ SHAPES = ((DraftShape(1, 7, 8), 0.53, 0.30), (DraftShape(1, 3, 4), 0.39, 0.30))
 # GPU ms of each shape's draft graph alone at batch 1 (session 46, replayed back to back): what a shadow exploration
 # (`--shadow`) adds to the plain step it rides on
 DRAFT_GPU_MS = (0.195, 0.074)
-SHADOW_MARGIN = 0.8  # a shape whose estimated rate is below this share of plain decoding's is explored in shadow
 
 
 class ConfirmedSwitchPolicy(AdaptivePolicy):
@@ -131,17 +130,6 @@ def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = 
     return max(gpu, host_ms * host) if ahead else gpu + host_ms * host
 
 
-def shadows(policy: AdaptivePolicy, option: int, bucket: int) -> bool:
-    """`--shadow`: whether the policy's choice of draft shape `option` runs as a shadow exploration — it is an
-    exploration begun while plain decoding was best, and the shape's own estimate (tokens a step over its median
-    step time) is below SHADOW_MARGIN of plain decoding's rate; a shape that may be about to win is verified."""
-    run = policy.runs.get(bucket)
-    if run is None or run.option != option or run.best_before != -1:
-        return False
-    verify, plain = policy.medians.get((option, bucket)), policy.medians.get((-1, bucket))
-    return verify is not None and plain is not None and policy.tokens_per_step(option) / verify < SHADOW_MARGIN / plain
-
-
 def simulate(
     taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
     plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
@@ -156,14 +144,15 @@ def simulate(
     one draw a step shared by the shapes, so a chain of 3 accepts min(a, 3) where the chain of 7 accepts a — as the
     policy assumes — and a step yields its own draw's tokens. The oracle then knows each option's mean τ.
 
-    `shadow` models a design the engine does not have (session 53's proposal): an exploration of a draft shape begun
-    while plain decoding is the best option, of a shape estimated well below plain decoding's rate (`shadows`), runs
-    as plain steps that also draft, unverified — the drafts are compared with the tokens plain decoding then emits
-    (exact for greedy requests) — so a step costs a plain step plus the draft graph and yields one token, and the
-    policy gets the acceptance the drafts would have had. It is also handed the verify step's own time for that step
-    (a shadow step cannot time a verify step: the engine would keep the last one it timed), an optimistic
-    simplification; the first step of such a run is charged as one started with the pipeline empty, as a switch of
-    option is, a pessimistic one."""
+    `shadow` models the engine's shadow explorations (`AdaptivePolicy.shadows`, `SpecDecoder.shadow_draft`): an
+    exploration of a draft shape begun while plain decoding is the best option, of a shape estimated well below
+    plain decoding's rate, runs as plain steps that also draft, unverified — the drafts are compared with the tokens
+    plain decoding then emits (exact for greedy requests) — so a step costs a plain step plus the draft graph and
+    yields one token; the policy gets the acceptance the drafts would have had (here at once, in the engine a
+    shape's depth in steps later) and counts the step at the shape's median time (`record_shadow_step`). Not
+    modelled: the draft's catch-up that each shadow step also runs; the first step of such a run is charged as one
+    started with the pipeline empty, as a switch of option is (the engine's keeps the pipeline running): a
+    pessimistic simplification."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
     depths = [shape.max_depth for shape, _, _ in SHAPES]
@@ -187,7 +176,7 @@ def simulate(
                 rates[1:] = mean_taus(accept_rates[1])
             elif later_taus is not None:
                 rates[1:] = later_taus
-        shadowed = shadow and chosen[k] >= 0 and shadows(policy, chosen[k], batch_bucket(batch))
+        shadowed = shadow and chosen[k] >= 0 and policy.shadows(chosen[k], batch_bucket(batch))
         chosen.append(policy.choose(batch))  # the next step's choice comes before this step's results
         option = chosen[k]
         step_tokens = tau(option)
@@ -204,11 +193,13 @@ def simulate(
                 step_tokens = 1.0 + accepted
             policy.record_acceptance(option, [accepted] * batch)
         ahead = k > 0 and chosen[k - 1] == option
-        ms = step_ms(option, host, ahead, plain)
-        if ahead:
-            policy.record_step(option, batch, ms / 1e3)
-        if shadowed:  # what ran instead: a plain step and the draft, one token (the policy got the verify time above)
+        if shadowed:  # what runs instead: a plain step and the draft, one token, timed at the shape's median
             ms, step_tokens = step_ms(option, host, ahead, plain, shadow=True), 1.0
+            policy.record_shadow_step(option, batch)
+        else:
+            ms = step_ms(option, host, ahead, plain)
+            if ahead:
+                policy.record_step(option, batch, ms / 1e3)
         seconds += ms
         tokens += step_tokens
         plain_seconds += step_ms(-1, host, True, plain) * step_tokens  # plain decoding's time for the same tokens

@@ -275,6 +275,7 @@ class LLMEngine:
                     if sampled and entry is not None:
                         seq.output_logprobs.append(entry)
             updated = self.scheduler.postprocess(batch, out.token_ids)
+        self._score_shadows()
         if self.spec is not None and batch.phase is not Phase.PREFILL:
             # A verify step that first caught the draft up on a plain stretch is not verifying's steady state: timing
             # it charged the stretch's catch-up to the draft shape, which then lost to plain decoding (session 41).
@@ -361,6 +362,7 @@ class LLMEngine:
             assert all(batch.is_sampling), "a launched decode step computes each sequence's last token"
             updated = self.scheduler.postprocess(batch, [token_ids[i] for i in rows])
             outputs = [self._process(seq) for seq in updated]
+        self._score_shadows()
         self._drop_ended_launch()
         return outputs
 
@@ -378,8 +380,15 @@ class LLMEngine:
             updated = self.scheduler.postprocess_verify(batch, emitted, num_nodes if followed else 1)
             self.runner.pages_trimmed(seqs)
             outputs = [self._process(seq) for seq in updated]
+        self._score_shadows()
         self._drop_ended_launch()
         return outputs
+
+    def _score_shadows(self) -> None:
+        """Score the speculating engine's shadow drafts that the tokens just postprocessed complete
+        (`SpecDecoder.resolve_shadows`)."""
+        if self.spec is not None and self.spec.shadows:
+            self.spec.resolve_shadows()
 
     def _drop_ended_launch(self) -> None:
         """Forget the launch in flight once none of its sequences runs (all finished or aborted): its device work

@@ -85,6 +85,14 @@ EXPLORE_STOP_RISK = 0.05
 # that early. On the GPU machine's host a speculating engine's plain step cost ~20 µs over a plain engine's (session
 # 22, batch 1), most of it the policy's choice, its step-time median and the ring check redone every step.
 SETTLED_STEPS = 16
+# An exploration of a draft shape begun while plain decoding is best, of a shape whose estimated rate (tokens a step
+# over its median step time) is below this share of plain decoding's, runs in shadow when every request is greedy
+# (`SpecDecoder.shadow_draft`): plain steps that also draft, unverified; the drafts are compared with the tokens plain
+# decoding then emits. `bench/policy_sim.py --shadow` (session 53, the default pair at batch 1, drafts always wrong):
+# 0.986x → 0.996x with a steady host; without the margin (every exploration begun while plain is best in shadow) the
+# run whose drafts hover near plain decoding's rate fell 0.956x → 0.945x: a shadow step yields one token where a
+# verify step near the break-even yields more, so a shape that may be about to win is still verified.
+SHADOW_MARGIN = 0.8
 # The draft and verify times (metrics) are measured on every PHASE_TIMING_EVERY-th verify step: four CUDA events and
 # their read-back cost ~60 µs of host time (H200 host, session 19), ~5% of the default pair's verify step.
 PHASE_TIMING_EVERY = 8
@@ -353,6 +361,26 @@ class AdaptivePolicy:
         bound = 1.0 + run.accepted / run.drafts + spread
         return bound / lower < self.tokens_per_step(run.best_before) / self.weighed_seconds(*best, seconds)
 
+    def shadows(self, option: int, bucket: int) -> bool:
+        """Whether this step's choice of draft shape `option` may run in shadow (`SHADOW_MARGIN`): it is an exploration
+        begun while plain decoding was best, and the shape's estimated rate is below SHADOW_MARGIN of plain
+        decoding's. Its first measurement is always verified (a shadow step has no verify step to time)."""
+        run = self.runs.get(bucket)
+        if run is None or run.option != option or run.best_before != -1:
+            return False
+        seconds = self.step_seconds
+        verify, plain = seconds.get((option, bucket)), seconds.get((-1, bucket))
+        if verify is None or plain is None:
+            return False
+        return self.tokens_per_step(option) / verify < SHADOW_MARGIN / plain
+
+    def record_shadow_step(self, option: int, num_seqs: int) -> None:
+        """A step of a shadow exploration of `option` (`shadows`): counted as one of the run's timed steps, at the
+        shape's median step time (a shadow step times no verify step; its acceptance comes later, from the tokens
+        plain decoding emits: `record_acceptance`)."""
+        bucket = batch_bucket(num_seqs)
+        self.record_step(option, num_seqs, self.step_seconds[(option, bucket)])
+
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
         self.runs[bucket] = _Run(option, until, step, best_before)
         self.plain_until.pop(bucket, None)
@@ -484,6 +512,10 @@ class SpecStats:
     timed_verify_steps: int = 0
     draft_seconds: float = 0.0  # drafting the trees, after catching up on what plain steps skipped
     verify_seconds: float = 0.0  # target verify, acceptance, commit, and the draft's catch-up on accepted tokens
+    # Shadow explorations (`SpecDecoder.shadow_draft`): drafts scored against the tokens plain decoding emitted, and
+    # the drafts they would have had accepted (not in τ or the per-depth rates: nothing was verified)
+    num_shadow_drafts: int = 0
+    num_shadow_accepted: int = 0
 
     def add(self, num_nodes: int, accepted_drafts: list[int], depths: list[int]) -> None:
         self.num_verify_steps += 1
@@ -530,6 +562,8 @@ class SpecStats:
             "acceptance_rate_per_depth": [round(r, 4) for r in self.acceptance_rate_per_depth],
             "draft_ms_per_step": round(self.draft_ms_per_step, 4),
             "verify_ms_per_step": round(self.verify_ms_per_step, 4),
+            "num_shadow_drafts": self.num_shadow_drafts,
+            "num_shadow_accepted": self.num_shadow_accepted,
         }
 
 
@@ -606,6 +640,42 @@ class VerifyLaunch:
     def result_rows(self) -> list[list[int]]:
         """The result rows (waits for the step to finish on the device)."""
         return self.host_result.read()
+
+
+@dataclass
+class ShadowDraft:
+    """A shadow exploration's trees (`SpecDecoder.shadow_draft`), waiting for the tokens plain decoding emits."""
+
+    shape: int
+    seqs: list[Sequence]
+    first: np.ndarray  # [N] int64: the position of each row's first drafted token (its root's + 1)
+    nodes: HostCopy  # [2, N, T_d] int64: each tree's tokens and parents, being copied to the host
+
+    def is_due(self, depth: int) -> bool:
+        """Whether every row's tokens at the drafted positions are known (or its sequence ended): `depth` past
+        `first`."""
+        return all(s.is_finished or len(s.token_ids) >= f + depth for s, f in zip(self.seqs, self.first.tolist(),
+                                                                                  strict=True))  # fmt: skip
+
+    def accepted(self, depth: int) -> list[int | None]:
+        """Per row, the drafts greedy verification would have accepted — the longest path from the root whose tokens
+        are the ones emitted (`accepted_along`), of a tree `depth` deep — or None where the sequence emitted no token
+        past its root (it ended there)."""
+        tokens, parents = self.nodes.read()  # [N, T_d] each
+        rows = zip(self.seqs, self.first.tolist(), tokens, parents, strict=True)
+        return [accepted_along(row_tokens, row_parents, seq.token_ids[first : first + depth])
+                if len(seq.token_ids) > first else None for seq, first, row_tokens, row_parents in rows]  # fmt: skip
+
+
+def accepted_along(tokens: list[int], parents: list[int], emitted: list[int]) -> int:
+    """How many of `emitted` (the tokens after a tree's root) a path down the tree (node 0 the root; `parents[j]`
+    node j's parent) matches from its start: greedy acceptance, given the target's argmax at each node."""
+    node = 0
+    for depth, token in enumerate(emitted):
+        node = next((j for j in range(1, len(tokens)) if parents[j] == node and tokens[j] == token), -1)
+        if node < 0:
+            return depth
+    return len(emitted)
 
 
 # (the drafted tree, the sequences' slots [N] int64) → the tree to verify (tests and forced-acceptance runs).
@@ -689,6 +759,10 @@ class SpecDecoder:
         # Whether the last VERIFY step first caught the draft up on positions plain steps cached: a step off the
         # steady state of verifying every step, which the policy does not time (`AdaptivePolicy`).
         self.verify_caught_up = False
+        self.shadows: list[ShadowDraft] = []  # shadow explorations' drafts not yet scored (`resolve_shadows`)
+        # Engine steps not to time: a shadow step (its draft and catch-up are not plain decoding's) and the one whose
+        # call launched it (the host launched them during that step's time)
+        self._untimed_steps = 0
 
     # ---- bookkeeping ----
 
@@ -731,9 +805,10 @@ class SpecDecoder:
         (`verify_options`), so the policy decides each step once. Otherwise a sequence whose ring the step would
         wrap catches up first, queued behind the step in flight: on positions up to the one that step caches
         (p − 1), whose tokens the host already holds (the in-flight step's input is the last token postprocessed),
-        so the pipeline keeps running; position p − 1's own feature and token follow in the ring."""
+        so the pipeline keeps running; position p − 1's own feature and token follow in the ring. A draft shape that
+        the policy explores in shadow drafts here instead, and the plain step is launched (`shadow_draft`)."""
         option = self.policy.choose(len(seqs))
-        if option >= 0:
+        if option >= 0 and not self.shadow_draft(option, seqs, slots_host, positions_host):
             self._next_option = option
             return False
         if self._unwrapped_ahead > 0:  # no ring of these rows wraps yet: each is one position further than last time
@@ -748,7 +823,60 @@ class SpecDecoder:
         return True
 
     def record_step(self, option: int, num_seqs: int, seconds: float) -> None:
+        if self._untimed_steps > 0:
+            self._untimed_steps -= 1
+            return
         self.policy.record_step(option, num_seqs, seconds)
+
+    # ---- shadow explorations ----
+
+    def shadow_draft(
+        self, shape: int, seqs: list[Sequence], slots_host: np.ndarray, positions_host: np.ndarray
+    ) -> bool:
+        """Explore draft shape `shape` in shadow for a plain DECODE step launched ahead that caches positions_host
+        [N] (p), if the policy allows it (`AdaptivePolicy.shadows`) and every request is greedy: catch the draft up
+        to p − 1 and draft each sequence's tree from its root at p − 1 (the token the step in flight takes, already
+        on the host), queued behind the step in flight; the trees go to the host, to be scored once plain decoding
+        has emitted the drafted positions (`resolve_shadows`). Nothing is verified: the step costs a catch-up and a
+        draft instead of a verify step, and the tokens are plain decoding's. Returns whether it drafted."""
+        if self.forced == "all" or not self.policy.shadows(shape, batch_bucket(len(seqs))):
+            return False
+        if not self.runner.sampler.is_all_greedy(slots_host):  # a sampled token says nothing of a draft's odds
+            return False
+        roots_at = positions_host - 1  # [N]
+        self.flush(seqs, slots_host, roots_at.tolist())
+        assert (self.draft_len[slots_host] == roots_at).all(), "a shadow draft grows from its root's position"
+        host = np.empty((3, len(seqs)), dtype=np.int64)
+        host[0] = [s.token_ids[-1] for s in seqs]
+        host[1] = roots_at
+        host[2] = slots_host
+        inputs = self.runner.upload_block(host)  # [3, N]
+        if self.graphs is not None and self.tree_override is None and self.graphs.fits(len(seqs)):
+            tree = self.graphs.draft(shape, inputs)
+        else:
+            tree = self._draft_eager(shape, *inputs.unbind(0))
+        nodes = torch.stack([tree.tokens, tree.parents.long()])  # [2, N, T_d]
+        self.shadows.append(ShadowDraft(shape, seqs, positions_host.copy(), start_host_copy(nodes)))
+        self.policy.record_shadow_step(shape, len(seqs))
+        self._untimed_steps = 2
+        return True
+
+    def resolve_shadows(self) -> None:
+        """Score the shadow drafts whose drafted positions plain decoding has emitted (`ShadowDraft.is_due`) and hand
+        their acceptance to the policy, as a verify step's. The engine calls it after each step's tokens are
+        postprocessed, while any are pending."""
+        pending = []
+        for shadow in self.shadows:
+            depth = self.shapes[shadow.shape].max_depth
+            if not shadow.is_due(depth):
+                pending.append(shadow)
+                continue
+            accepted = [a for a in shadow.accepted(depth) if a is not None]
+            if accepted:
+                self.stats.num_shadow_drafts += len(accepted)
+                self.stats.num_shadow_accepted += sum(accepted)
+                self.policy.record_acceptance(shadow.shape, accepted)
+        self.shadows = pending
 
     # ---- draft catch-up after target steps ----
 

@@ -103,13 +103,15 @@ def test_the_engine_policy_runs_no_chain_that_cannot_win(tmp_path):
 
 
 def test_shadow_explorations_cost_less_where_drafts_lose_and_nothing_where_they_may_win(tmp_path):
-    """`--shadow` (session 53's proposal, not in the engine): an exploration of a shape estimated well below plain
-    decoding runs as plain steps that also draft. Wrong drafts cost less than verify-step explorations (the same
-    choices, cheaper steps); drafts near plain decoding's rate are still verified, so that run is unchanged; drafts
-    that start to pay are followed as before."""
+    """`--shadow` (the engine's shadow explorations, session 55: `AdaptivePolicy.shadows`): an exploration of a shape
+    estimated well below plain decoding runs as plain steps that also draft. Wrong drafts cost less than verify-step
+    explorations (about the same choices — a shadow step is timed at the shape's median, not at a slow stretch's
+    step time — and cheaper steps); drafts near plain decoding's rate are still verified, so that run is unchanged;
+    drafts that start to pay are followed as before."""
     verified, _ = simulate(tmp_path, "--tau", "1,1")
     shadowed, _ = simulate(tmp_path, "--tau", "1,1", "--shadow")
-    assert shadowed["shadow"] and not verified["shadow"] and shadowed["shares"] == verified["shares"]
+    assert shadowed["shadow"] and not verified["shadow"]
+    assert shadowed["shares"]["plain"] == pytest.approx(verified["shares"]["plain"], abs=0.002)
     assert shadowed["speedup"] > verified["speedup"] + 0.004 and shadowed["speedup"] <= 1.0
     near, _ = simulate(tmp_path, "--tau", "2.9,2.4")
     near_shadowed, _ = simulate(tmp_path, "--tau", "2.9,2.4", "--shadow")

@@ -27,10 +27,13 @@ from jetserve.engine.speculative import (
     MIN_SAMPLES,
     PHASE_TIMING_EVERY,
     SETTLED_STEPS,
+    SHADOW_MARGIN,
     TIME_SAMPLES,
     AdaptivePolicy,
     DraftShape,
+    ShadowDraft,
     VerifyLaunch,
+    accepted_along,
     draft_shapes,
 )
 from jetserve.generate import generate_tokens
@@ -48,6 +51,9 @@ BASE_ARGS = dict(device="cpu", page_size=4, num_pages=256, num_slots=9, max_mode
 SPEC_ARGS = dict(spec_feature_ring=32)  # the draft's catch-up every 32 plain steps (the default 128 outlasts the runs)
 CHAIN = dict(spec_topk=1, spec_steps=3)
 TREE = dict(spec_topk=2, spec_steps=3, spec_num_draft_tokens=6)
+# TREE's shapes (depths 3 and 1) timed so that, before any acceptance is seen (τ = 4 and 2), plain decoding is best
+# (1000 tokens a second against 889) and each shape above SHADOW_MARGIN of its rate: explorations verify
+NEAR_PLAIN = {0: 4.5e-3, 1: 2.25e-3, -1: 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -1079,8 +1085,8 @@ def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny
     chunks still do); the periodic exploration of a shape catches the draft up and stays exact."""
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, max_num_batched_tokens=16, **TREE)
     policy = engine.spec.policy
-    for bucket in (1, 2, 4, 8):
-        measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
+    for bucket in (1, 2, 4, 8):  # plain decoding best; the shapes' estimates near enough to it to be verified
+        measure(policy, bucket, NEAR_PLAIN)
         policy.next_explore[bucket] = 12  # an exploration due within the run
     calls = [0]
     forward = engine.spec.draft.forward
@@ -1154,8 +1160,8 @@ def test_overlapped_plain_steps_ask_the_policy_once_per_step(tiny_checkpoint, ti
     step's — while the outputs equal plain decoding."""
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **TREE)
     policy = engine.spec.policy
-    for bucket in (1, 2, 4, 8):  # plain decoding measured fastest, with explorations of the shapes in the run
-        measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
+    for bucket in (1, 2, 4, 8):  # plain decoding measured fastest, with (verified) explorations of the shapes
+        measure(policy, bucket, NEAR_PLAIN)
         policy.next_explore[bucket] = 12
     counts = {"choose": 0, "ahead": 0, "resolved": 0, "sync_decode": 0}
 
@@ -1177,6 +1183,168 @@ def test_overlapped_plain_steps_ask_the_policy_once_per_step(tiny_checkpoint, ti
     assert counts["ahead"] > 10 and engine.spec_stats.num_verify_steps_ahead >= 1
     # Verify steps (with overlap scheduling, all launched; some ahead) are resolved like decode steps launched.
     assert counts["choose"] == counts["resolved"] + counts["sync_decode"]
+
+
+def test_only_explorations_well_below_plain_decoding_run_in_shadow():
+    """`AdaptivePolicy.shadows`: an exploration begun while plain decoding is best, of a shape whose estimate is below
+    SHADOW_MARGIN of plain decoding's rate, may run in shadow; a bucket's first measurement, an exploration begun
+    while a shape was best, and one of a shape near plain decoding's rate are verified. A shadow step counts as one
+    of the run's timed steps at the shape's median, so the run ends after EXPLORE_SAMPLES of them."""
+    shapes = [DraftShape(topk=1, num_steps=3, num_draft_tokens=4)]
+    first = AdaptivePolicy(shapes, adaptive=True)
+    assert first.choose(1) == 0 and not first.shadows(0, 1)  # the first measurement: nothing timed yet
+
+    def explored(verify_seconds: float, accepted: int) -> AdaptivePolicy:
+        policy = AdaptivePolicy(shapes, adaptive=True)
+        measure(policy, 1, {0: verify_seconds, -1: 1.0})
+        policy.record_acceptance(0, [accepted])
+        policy.measured.add(1)
+        policy.next_explore[1] = 0  # an exploration is due
+        assert policy.choose(1) == 0
+        return policy
+
+    well_below = explored(3.0, 0)  # 1 token in 3 s against 1 in 1 s
+    assert well_below.shadows(0, 1)
+    for _ in range(EXPLORE_SAMPLES - 1):
+        well_below.record_shadow_step(0, 1)
+        assert well_below.choose(1) == 0
+    well_below.record_shadow_step(0, 1)
+    assert well_below.step_seconds[(0, 1)] == 3.0  # the median is kept
+    assert well_below.choose(1) == -1  # the run is over: judged, plain decoding still best
+    # 3 tokens in 3.6 s: 0.83 tokens a second, above SHADOW_MARGIN (0.8) of plain decoding's 1
+    assert not explored(3.6, 2).shadows(0, 1) and 2 < 3.6 * SHADOW_MARGIN < 3
+    a_shape_best = explored(1.5, 3)  # 4 tokens in 1.5 s: the shape is best and the exploration is of plain decoding
+    assert a_shape_best.best(1) == 0 and not a_shape_best.shadows(-1, 1) and not a_shape_best.shadows(0, 1)
+
+
+def test_accepted_along_follows_the_emitted_tokens_down_the_tree():
+    """Greedy acceptance from the tokens plain decoding emitted: the path from the root (node 0) whose node tokens
+    match them, one depth a token, stopping at the first token no child holds."""
+    tokens, parents = [9, 5, 6, 7, 8, 3], [-1, 0, 0, 1, 2, 4]  # root → 5 → 7; root → 6 → 8 → 3
+    assert accepted_along(tokens, parents, [6, 8, 3]) == 3
+    assert accepted_along(tokens, parents, [6, 8, 4]) == 2
+    assert accepted_along(tokens, parents, [5, 8]) == 1  # 8 is not 5's child
+    assert accepted_along(tokens, parents, [7]) == 0  # 7 is not a child of the root
+    assert accepted_along(tokens, parents, [5]) == 1 and accepted_along(tokens, parents, []) == 0
+
+
+def _script(values):
+    """A callable that ignores its arguments and returns `values` in a cycle."""
+    it = itertools.cycle(values)
+    return lambda *args: next(it)
+
+
+def _shadow_log(monkeypatch) -> dict[tuple[str, int], tuple[int, int]]:
+    """(request id, root position) → (the accepted drafts each shadow draft scored, its tree's depth), for the rows
+    with emitted tokens."""
+    log = {}
+    accepted = ShadowDraft.accepted
+
+    def logged(self, depth):
+        out = accepted(self, depth)
+        _, parents = self.nodes.read()
+        for seq, first, value, row in zip(self.seqs, self.first.tolist(), out, parents, strict=True):
+            depths = [0] * len(row)
+            for j in range(1, len(row)):
+                depths[j] = depths[row[j]] + 1
+            if value is not None:
+                log[(seq.request_id, first - 1)] = (value, max(depths))
+        return out
+
+    monkeypatch.setattr(ShadowDraft, "accepted", logged)
+    return log
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_shadow_explorations_score_drafts_as_verification_would(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, shape, monkeypatch
+):
+    """Shadow explorations (plain steps launched ahead that also draft, unverified) mixed with verify steps and plain
+    steps: the outputs equal plain decoding's; each shadow draft scores the drafts greedy verification accepts from
+    the same root — those of an engine that verifies every step, where both drafted from that root, and the depth
+    the tree override made right everywhere — and the policy gets them as a verify step's acceptance."""
+    chosen = [prompts[i] for i in (1, 3, 4)]
+    by_request = {str(k): continuations[i] for k, i in enumerate((1, 3, 4))}  # `run` names requests by list index
+    lengths = {r: len(chosen[int(r)]) + MAX_TOKENS for r in by_request}  # each sequence's tokens at the end
+    depth = draft_shapes(shape["spec_topk"], shape["spec_steps"], shape.get("spec_num_draft_tokens", 4))[0].max_depth
+    verified = {}
+    always = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, overlap_scheduling=False, **shape)
+    always.spec.tree_override = _depth_by_position(always, by_request, salt=5)
+    finish_verify = always.spec.finish_verify
+
+    def logged(launch, rows, followed):
+        emitted = finish_verify(launch, rows, followed)
+        for i, tokens in zip(rows, emitted, strict=True):
+            verified[(launch.seqs[i].request_id, launch.seqs[i].num_computed_tokens)] = len(tokens) - 1
+        return emitted
+
+    always.spec.finish_verify = logged
+    expected = [by_request[r][:MAX_TOKENS] for r in sorted(by_request)]
+    assert run(always, chosen, greedy()) == expected
+
+    shadowed = _shadow_log(monkeypatch)
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **shape)
+    engine.spec.tree_override = _depth_by_position(engine, by_request, salt=5)
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4):
+        measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
+    policy.choose = _script([-1] + [0] * 6)  # a plain step, then a shape for six steps ...
+    policy.shadows = _script([True] * 4 + [False])  # ... explored in shadow, but every fifth time verified
+    handed = []
+    record_acceptance = policy.record_acceptance
+    policy.record_acceptance = lambda option, counts: (handed.extend(counts), record_acceptance(option, counts))
+    assert run(engine, chosen, greedy()) == expected
+    stats = engine.spec_stats
+    assert stats.num_verify_steps >= 2 and stats.num_shadow_drafts >= 20 and not engine.spec.shadows
+
+    def right(key, tree_depth):  # the override's right depth, within the tree and the tokens emitted
+        request, root = key
+        return min(random.Random(f"5/{request}/{root}").randint(0, 3), tree_depth, lengths[request] - 1 - root)
+
+    assert all(value == right(key, tree_depth) for key, (value, tree_depth) in shadowed.items())
+    shadowed = {key: value for key, (value, _) in shadowed.items()}
+    assert stats.num_shadow_drafts == len(shadowed) and stats.num_shadow_accepted == sum(shadowed.values())
+    assert len(handed) == stats.num_shadow_drafts + stats.num_drafts  # shadow drafts, then verify steps' drafts
+    assert sum(handed) == stats.num_shadow_accepted + stats.num_accepted_tokens
+    common = [key for key in shadowed if key in verified and key[1] + depth < lengths[key[0]]]
+    assert len(common) >= 3 and all(shadowed[key] == verified[key] for key in common)
+    assert {shadowed[key] for key in common} != {0}  # drafts were accepted, not only rejected
+
+
+@pytest.mark.parametrize("forced", ["right", "wrong"])
+def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, forced, monkeypatch
+):
+    """Shadow explorations through the draft graphs (run eagerly here: the static inputs and trees, a padded bucket),
+    with forced acceptance: drafts that are the continuation score the chain's depth (where the tokens reach), wrong
+    ones nothing; every plain step after the first is launched ahead and explores, and none of them is timed as
+    plain decoding (a shadow step also drafts, and its host work falls in the step before it), while each counts as
+    one of the run's timed steps at the shape's median."""
+    chosen = [prompts[i] for i in (1, 3, 4)]
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=forced, **CHAIN)
+    for k, i in enumerate((1, 3, 4)):
+        engine.spec.forced_continuations[str(k)] = prompts[i] + continuations[i]
+    _eager_graphs(engine, [1, 2, 4])  # 3 sequences: bucket 4, one padded row
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4):
+        measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
+    policy.choose = _script([-1] + [0] * 1000)  # the first decode step plain, from the host; the rest a shape
+    policy.shadows = _script([True])
+    timed = []
+    record_step = policy.record_step
+    policy.record_step = lambda option, num_seqs, seconds: (timed.append(option), record_step(option, num_seqs,
+                                                                                              seconds))  # fmt: skip
+    shadowed = _shadow_log(monkeypatch)
+    shadow_steps = []
+    shadow_draft = engine.spec.shadow_draft
+    engine.spec.shadow_draft = lambda *args: shadow_steps.append(shadow_draft(*args)) or shadow_steps[-1]
+    assert run(engine, chosen, greedy()) == [continuations[i][:MAX_TOKENS] for i in (1, 3, 4)]
+    stats = engine.spec_stats
+    assert stats.num_verify_steps == 0 and stats.num_shadow_drafts == len(shadowed) >= 3 * (MAX_TOKENS - 3)
+    lengths = {str(k): len(prompts[i]) + MAX_TOKENS for k, i in enumerate((1, 3, 4))}
+    for (request, root), (value, _) in shadowed.items():
+        assert value == (min(3, lengths[request] - 1 - root) if forced == "right" else 0)
+    assert all(shadow_steps) and -1 not in timed and timed.count(0) == len(shadow_steps)
 
 
 @pytest.mark.parametrize("pattern", ["alternating", "plain", "runs"])

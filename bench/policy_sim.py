@@ -94,8 +94,17 @@ class ConfirmedSwitchPolicy(AdaptivePolicy):
         return option
 
 
+class VerifiedExplorationPolicy(AdaptivePolicy):
+    """The engine's policy before session 55: every exploration verifies, none runs in shadow (`shadows`). The
+    baseline `bench/spec_overhead.py --candidate` runs beside the engine's shadow explorations."""
+
+    def shadows(self, option: int, bucket: int) -> bool:
+        return False
+
+
 class FreshExplorationPolicy(AdaptivePolicy):
-    """A candidate change (session 45; not in the engine, not measured on a GPU): the engine's policy with explorations
+    """A candidate change (session 45; measured on an H100 in session 55, no better: batch 1 0.984x against the
+    engine's 0.980x, batch 8 0.943x against 0.957x, drafts forced wrong): the engine's policy with explorations
     up to 4,096 steps apart (where it stops at 1,024), and a draft shape's acceptance window restarted when an
     exploration of it begins, so that the exploration's own drafts judge it. With the longer interval alone a draft
     that starts to pay is found late: the window's 64 drafts take an exploration's 6 steps at batch 1 as a tenth of
@@ -216,13 +225,15 @@ def simulate(
 
 def load_policy(spec: str) -> type:
     """`module:Class` → the class (an AdaptivePolicy or one with its interface); a bare name is one of this script's
-    (`AdaptivePolicy`, and the candidates `ConfirmedSwitchPolicy` and `FreshExplorationPolicy`; session 45's
+    (`AdaptivePolicy`, the candidates `ConfirmedSwitchPolicy` and `FreshExplorationPolicy`, and the engine's policy
+    without shadow explorations, `VerifiedExplorationPolicy`; session 45's
     `BoundedExplorationPolicy` became the engine's `AdaptivePolicy.cannot_win` in session 48)."""
     if ":" not in spec:
         return {
             "AdaptivePolicy": AdaptivePolicy,
             "ConfirmedSwitchPolicy": ConfirmedSwitchPolicy,
             "FreshExplorationPolicy": FreshExplorationPolicy,
+            "VerifiedExplorationPolicy": VerifiedExplorationPolicy,
         }[spec]
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)

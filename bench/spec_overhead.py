@@ -108,6 +108,7 @@ def main() -> None:
     modes = ("plain", *policies)
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     verify_steps: dict[str, list[int]] = {mode: [] for mode in modes}  # each run's verify steps, wave by wave
+    shadow_drafts = {mode: 0 for mode in modes}  # drafts its shadow explorations scored (`SpecDecoder.shadow_draft`)
     agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
@@ -119,10 +120,11 @@ def main() -> None:
                 for i, prompt in enumerate(wave):
                     row = engine.spec.forced_row(prompt + continuations[w * b + i])
                     engine.spec.forced_continuations[f"{tag}-{i}"] = row
-            verify_before = engine.spec_stats.num_verify_steps
+            verify_before, shadow_before = engine.spec_stats.num_verify_steps, engine.spec_stats.num_shadow_drafts
             wall, outputs = run_wave(engine, wave, params, tag)
             seconds[mode].append(wall)
             verify_steps[mode].append(engine.spec_stats.num_verify_steps - verify_before)
+            shadow_drafts[mode] += engine.spec_stats.num_shadow_drafts - shadow_before
             agree[mode] += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
     engine.spec.policy = policies["spec"]
     plain = seconds["plain"]
@@ -130,11 +132,12 @@ def main() -> None:
         "model": args.model, "draft": args.draft, "batch_size": b, "waves": args.waves, "output_len": args.output_len,
         "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "wave_seconds": seconds,
         "wave_verify_steps": verify_steps["spec"],
-        "verify_steps": sum(verify_steps["spec"]), "requests_equal_to_plain": agree["spec"],
+        "verify_steps": sum(verify_steps["spec"]), "shadow_drafts": shadow_drafts["spec"],
+        "requests_equal_to_plain": agree["spec"],
         "requests": len(prompts),
     }  # fmt: skip
     print(f"{'batch':>5} {'waves':>5} {'run':>11} {'plain s':>8} {'run s':>8} {'speed-up':>9} {'median wave':>11} "
-          f"{'95% interval':>15} {'verify steps':>12} {'same as plain':>13}")  # fmt: skip
+          f"{'95% interval':>15} {'verify steps':>12} {'shadow drafts':>13} {'same as plain':>13}")  # fmt: skip
     for mode, name in (("spec", "speculating"), ("cand", "candidate"), ("kept", "draft kept")):
         if mode not in seconds:
             continue
@@ -145,12 +148,13 @@ def main() -> None:
         row |= {f"{mode}_s": sum(runs), f"{key}speedup": sum(plain) / sum(runs),
                 f"{key}speedup_median_wave": median, f"{key}speedup_ci95": [low, high]}  # fmt: skip
         if mode != "spec":
-            row[f"{mode}_verify_steps"] = sum(verify_steps[mode])
+            row |= {f"{mode}_verify_steps": sum(verify_steps[mode]), f"{mode}_shadow_drafts": shadow_drafts[mode]}
         if mode == "cand":
             row |= {"candidate": args.candidate, "cand_requests_equal_to_plain": agree["cand"]}
         same = f"{agree[mode]}/{len(prompts)}"
         print(f"{b:>5} {args.waves:>5} {name:>11} {sum(plain):>8.3f} {sum(runs):>8.3f} {sum(plain) / sum(runs):>8.3f}x "
-              f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {sum(verify_steps[mode]):>12} {same:>13}")  # fmt: skip
+              f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {sum(verify_steps[mode]):>12} "
+              f"{shadow_drafts[mode]:>13} {same:>13}")  # fmt: skip
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -101,6 +101,34 @@ def test_gpu_speculative_graphs_equal_eager_and_agree_with_plain(
     assert prefix_agreement(runs[False, True], plain) >= 0.9
 
 
+@pytest.mark.parametrize("forced", ["right", "wrong"])
+def test_gpu_shadow_explorations_through_the_graphs(tiny_checkpoint, gpu_model, draft_dir, prompts, forced):
+    """Shadow explorations (`SpecDecoder.shadow_draft`) with the captured draft and catch-up graphs, every plain step
+    launched ahead exploring the chain: the tokens are plain decoding's, and the drafts score as verification would
+    (forced right: the chain's depth wherever the tokens reach; wrong: none), with nothing verified."""
+    plain = run(make_engine(tiny_checkpoint, gpu_model), prompts, greedy())  # with its decode graphs
+    engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, forced=forced, **CHAIN)
+    assert engine.spec.graphs is not None
+    for i, (p, c) in enumerate(zip(prompts, plain, strict=True)):
+        engine.spec.forced_continuations[str(i)] = p + c + [0] * CHAIN["spec_steps"]
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4, 8):
+        for _ in range(5):
+            policy.record_step(0, bucket, 1.0)
+            policy.record_step(-1, bucket, 1e-3)
+    script = itertools.chain([-1], itertools.repeat(0))  # the first decode step plain, from the host; then the chain
+    policy.choose = lambda num_seqs: next(script)
+    policy.shadows = lambda option, bucket: True
+    outs = run(engine, prompts, greedy())
+    stats = engine.spec_stats
+    assert stats.num_verify_steps == 0 and stats.num_shadow_drafts >= len(prompts) * (MAX_TOKENS - 8)
+    assert outs == plain  # the speculating engine's plain steps are plain decoding's (same kernels, same graphs)
+    if forced == "right":  # every draft whose positions were all emitted accepts the whole chain
+        assert stats.num_shadow_accepted >= 0.9 * CHAIN["spec_steps"] * stats.num_shadow_drafts
+    else:
+        assert stats.num_shadow_accepted == 0
+
+
 def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor]:
     tensors = [engine.state_pool.conv_states, engine.state_pool.recurrent_states, engine.spec.k_cache,
                engine.spec.v_cache, engine.spec.last_hidden]  # fmt: skip

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 # Speculative steps are captured up to this batch size (a verify step's logits are T_d rows per sequence, and the
 # stochastic acceptance keeps a few [N, T_d, V] tensors: at larger batches they run eagerly).
 SPEC_GRAPH_MAX_BATCH = 64
+# A catch-up of at most this many positions a row replays a flush graph of rows this wide instead of a ring's: a
+# shadow exploration (`SpecDecoder.shadow_draft`) catches the draft up on one position a step, and a ring-wide row
+# (128 positions by default) took a whole draft forward of 128 tokens a row for it (session 55, H100, the default pair
+# at batch 1: shadow steps cost ~0.7 ms each over a plain step, where a verify step costs ~0.3).
+SHORT_FLUSH_WIDTH = 4
 logger = logging.getLogger(__name__)
 
 
@@ -215,7 +220,9 @@ class SpecGraphRunner:
             # A chain is drafted into its static tree in place (`chain_buffers`); a tree is copied in.
             self.trees.append(chain_buffers(B, T, device) if shape.topk == 1 else _static_tree(B, T, device))
             self.results.append(torch.zeros(B, T + 2, dtype=torch.int64, device=device))  # [B, T_d + 2]
-        # The catch-up (`SpecDecoder.flush_rows`): rows of `spec.ring` tokens, their start, valid count and slot.
+        # The catch-up (`SpecDecoder.flush_rows`): rows of `spec.ring` tokens (or the first SHORT_FLUSH_WIDTH of
+        # them), their start, valid count and slot.
+        self.flush_widths = sorted({min(SHORT_FLUSH_WIDTH, spec.ring), spec.ring})
         self.flush_ids = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]
         self.flush_rows = torch.zeros(3, B, dtype=torch.int64, device=device)  # [3, B]: start, valid, slot
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -226,14 +233,18 @@ class SpecGraphRunner:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch_size
 
-    def flush_fits(self, num_seqs: int) -> bool:
-        """Whether a catch-up of `num_seqs` rows has a graph (`captures_flush` of its bucket)."""
-        return self.fits(num_seqs) and self.captures_flush(self._bucket(num_seqs))
+    def flush_width(self, num_seqs: int, longest: int) -> int | None:
+        """The width of the flush graph that catches up `num_seqs` rows of at most `longest` positions: the narrowest
+        captured for their bucket that holds them (`captures_flush`); None where none is."""
+        if not self.fits(num_seqs):
+            return None
+        B = self._bucket(num_seqs)
+        return next((w for w in self.flush_widths if longest <= w and self.captures_flush(B, w)), None)
 
-    def captures_flush(self, B: int) -> bool:
-        """A flush graph is captured for bucket B when its rows of a ring's length stay within the catch-up's token
-        limit (`SpecDecoder.max_flush_tokens`)."""
-        return B * self.spec.ring <= self.spec.max_flush_tokens
+    def captures_flush(self, B: int, width: int | None = None) -> bool:
+        """A flush graph of rows `width` wide (default: a ring's) is captured for bucket B when its rows stay within
+        the catch-up's token limit (`SpecDecoder.max_flush_tokens`)."""
+        return B * (width or self.spec.ring) <= self.spec.max_flush_tokens
 
     def _bucket(self, num_seqs: int) -> int:
         return next(b for b in self.batch_sizes if b >= num_seqs)
@@ -254,16 +265,17 @@ class SpecGraphRunner:
         result = spec.verify(shape, _tree_rows(self.trees[shape], B), prefix, slots, sampling, next_inputs)
         self.results[shape][:B].copy_(result)
 
-    def _flush(self, B: int) -> None:
+    def _flush(self, B: int, width: int) -> None:
         starts, valid, slots = self.flush_rows[:, :B]
-        self.spec.flush_rows(self.flush_ids[:B], starts, valid, slots)
+        self.spec.flush_rows(self.flush_ids[:B, :width], starts, valid, slots)
 
     def steps(self) -> list[tuple[tuple, Callable[[], None]]]:
         """The (graph key, captured body) of every speculative graph, largest bucket first."""
         steps: list[tuple[tuple, Callable[[], None]]] = []
         for B in reversed(self.batch_sizes):
-            if self.captures_flush(B):
-                steps.append((("flush", B), lambda B=B: self._flush(B)))
+            for width in self.flush_widths:
+                if self.captures_flush(B, width):
+                    steps.append((("flush", B, width), lambda B=B, w=width: self._flush(B, w)))
             for shape in range(len(self.spec.shapes)):
                 steps.append((("draft", B, shape), lambda B=B, s=shape: self._draft(B, s)))
                 for greedy in (True, False):
@@ -293,16 +305,17 @@ class SpecGraphRunner:
     # ---- replay ----
 
     def flush(self, ids: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> None:
-        """The draft's catch-up of N rows (ids [N, spec.ring], starts / valid / slots [N] int64)."""
-        N = ids.shape[0]
+        """The draft's catch-up of N rows (ids [N, C] for a captured width C (`flush_width`), starts / valid / slots
+        [N] int64)."""
+        N, width = ids.shape
         B = self._bucket(N)
-        self.flush_ids[:N].copy_(ids)
+        self.flush_ids[:N, :width].copy_(ids)
         for buffer, rows in zip(self.flush_rows, (starts, valid, slots), strict=True):
             buffer[:N].copy_(rows)
         if B > N:
-            self.flush_ids[N:B].zero_()
+            self.flush_ids[N:B, :width].zero_()
             self.flush_rows[:, N:B].zero_()
-        self.graphs[("flush", B)].replay()
+        self.graphs[("flush", B, width)].replay()
 
     def draft(self, shape: int, inputs: torch.Tensor, inputs_host: np.ndarray | None = None) -> DraftTree:
         """Draft the trees of N rows: inputs [3, N] int64 (each row's root token, cached prefix and slot), or take

@@ -905,8 +905,9 @@ class SpecDecoder:
     def flush(self, seqs: list[Sequence], slots_host: np.ndarray, ends: list[int]) -> int:
         """Catch the draft up on positions [draft_len, end) of each sequence (what plain decode steps skipped), in
         one draft forward per `rows_per_flush` sequences: position t takes (token t + 1 from the host, the stored
-        feature at t). Rows of `ring` tokens replayed as a CUDA graph where one is captured for the rows, else rows of
-        the longest catch-up, eagerly. Returns how many sequences had positions to catch up on."""
+        feature at t). Rows of the narrowest captured width that holds the longest catch-up (a ring's, or
+        SHORT_FLUSH_WIDTH's: `SpecGraphRunner.flush_width`) replayed as a CUDA graph where one is captured for the
+        rows, else rows of the longest catch-up, eagerly. Returns how many sequences had positions to catch up on."""
         todo = [(seq, slot, end) for seq, slot, end in zip(seqs, slots_host.tolist(), ends, strict=True)
                 if self.draft_len[slot] < end]  # fmt: skip
         for begin in range(0, len(todo), self.rows_per_flush):
@@ -918,8 +919,9 @@ class SpecDecoder:
         lens = [end - self.draft_len[slot] for _, slot, end in todo]
         assert max(lens) <= self.ring, "a sequence missed more positions than its ring holds"
         num_seqs = len(todo)
-        graphs = self.graphs if self.graphs is not None and self.graphs.flush_fits(num_seqs) else None
-        width = self.ring if graphs is not None else max(lens)
+        width = self.graphs.flush_width(num_seqs, max(lens)) if self.graphs is not None else None
+        graphs = self.graphs if width is not None else None
+        width = width or max(lens)
         host = np.zeros((num_seqs, width + 3), dtype=np.int64)  # per row: token ids (0-padded), start, length, slot
         for row, (seq, slot, end) in zip(host, todo, strict=True):
             start = self.draft_len[slot]

@@ -16,6 +16,7 @@ import torch
 
 from jetserve import envs
 from jetserve.engine.config import DEFAULT_FEATURE_RING, EngineConfig
+from jetserve.engine.cuda_graph import SHORT_FLUSH_WIDTH
 from jetserve.engine.engine import LLMEngine
 from jetserve.engine.memory_plan import slot_bytes_for
 from jetserve.engine.speculative import (
@@ -899,8 +900,9 @@ def _eager_graphs(engine: LLMEngine, sizes: list[int]) -> None:
     runner.graph_runner = decode
     graphs = SpecGraphRunner(spec, sizes)
     for B in graphs.batch_sizes:
-        if graphs.captures_flush(B):
-            graphs.graphs[("flush", B)] = _EagerGraph(lambda B=B: graphs._flush(B))
+        for w in graphs.flush_widths:
+            if graphs.captures_flush(B, w):
+                graphs.graphs[("flush", B, w)] = _EagerGraph(lambda B=B, w=w: graphs._flush(B, w))
         for s in range(len(spec.shapes)):
             graphs.graphs[("draft", B, s)] = _EagerGraph(lambda B=B, s=s: graphs._draft(B, s))
             for g in (True, False):
@@ -1317,7 +1319,8 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
 ):
     """Shadow explorations through the draft graphs (run eagerly here: the static inputs and trees, a padded bucket),
     with forced acceptance: drafts that are the continuation score the chain's depth (where the tokens reach), wrong
-    ones nothing; every plain step after the first is launched ahead and explores, and none of them is timed as
+    ones nothing; each step's catch-up of one position replays the short flush graph (SHORT_FLUSH_WIDTH positions a
+    row, not a ring's); every plain step after the first is launched ahead and explores, and none of them is timed as
     plain decoding (a shadow step also drafts, and its host work falls in the step before it), while each counts as
     one of the run's timed steps at the shape's median."""
     chosen = [prompts[i] for i in (1, 3, 4)]
@@ -1335,6 +1338,9 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     policy.record_step = lambda option, num_seqs, seconds: (timed.append(option), record_step(option, num_seqs,
                                                                                               seconds))  # fmt: skip
     shadowed = _shadow_log(monkeypatch)
+    widths = []  # of the flush graphs replayed: a shadow step catches up one position, in the short rows
+    flush = engine.spec.graphs.flush
+    engine.spec.graphs.flush = lambda ids, *rows: (widths.append(ids.shape[1]), flush(ids, *rows))
     shadow_steps = []
     shadow_draft = engine.spec.shadow_draft
     engine.spec.shadow_draft = lambda *args: shadow_steps.append(shadow_draft(*args)) or shadow_steps[-1]
@@ -1345,6 +1351,8 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     for (request, root), (value, _) in shadowed.items():
         assert value == (min(3, lengths[request] - 1 - root) if forced == "right" else 0)
     assert all(shadow_steps) and -1 not in timed and timed.count(0) == len(shadow_steps)
+    assert len(widths) >= len(shadow_steps) - 1 and set(widths) == {SHORT_FLUSH_WIDTH}  # the first: none to catch up
+    assert engine.spec.graphs.flush_widths == [SHORT_FLUSH_WIDTH, engine.spec.ring]
 
 
 @pytest.mark.parametrize("pattern", ["alternating", "plain", "runs"])

@@ -143,7 +143,8 @@ def _random_caches(engine: LLMEngine, gen: torch.Generator) -> list[torch.Tensor
 def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_dir, greedy_rows):
     """Every bucket and draft shape: drafting and verify (acceptance, commit, catch-up) replayed from the graphs give
     the eager result and leave the same caches, for N = B and N = B - 1 (padded) rows; so does the catch-up on what
-    plain steps skipped (the flush graph), with 0 to a ring's length (32 here) of positions per row."""
+    plain steps skipped (the flush graphs), with 0 to a ring's length (32 here) or to SHORT_FLUSH_WIDTH positions a
+    row."""
     engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, spec_topk=2, spec_steps=3,
                          spec_num_draft_tokens=6, num_slots=40, max_num_seqs=32, spec_feature_ring=32)  # fmt: skip
     spec, graphs = engine.spec, engine.spec.graphs
@@ -174,17 +175,18 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
 
     for B in graphs.batch_sizes:
         for N in sorted({B, max(1, B - 1)}):
-            slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
-            ids = torch.randint(0, engine.model_config.vocab_size, (N, spec.ring), generator=gen, device="cuda")
-            starts = torch.randint(20, 150, (N,), generator=gen, device="cuda")
-            valid = torch.randint(0, spec.ring + 1, (N,), generator=gen, device="cuda")
-            before = [t.clone() for t in caches]
-            spec.flush_rows(ids, starts, valid, slots)
-            eager_caches = [t.clone() for t in caches]
-            for t, saved in zip(caches, before, strict=True):
-                t.copy_(saved)
-            graphs.flush(ids, starts, valid, slots)
-            check_caches(eager_caches, f"flush B={B} N={N}")
+            for width in graphs.flush_widths:  # the short rows (SHORT_FLUSH_WIDTH) and a ring's
+                slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
+                ids = torch.randint(0, engine.model_config.vocab_size, (N, width), generator=gen, device="cuda")
+                starts = torch.randint(20, 150, (N,), generator=gen, device="cuda")
+                valid = torch.randint(0, width + 1, (N,), generator=gen, device="cuda")
+                before = [t.clone() for t in caches]
+                spec.flush_rows(ids, starts, valid, slots)
+                eager_caches = [t.clone() for t in caches]
+                for t, saved in zip(caches, before, strict=True):
+                    t.copy_(saved)
+                graphs.flush(ids, starts, valid, slots)
+                check_caches(eager_caches, f"flush B={B} N={N} width={width}")
             for shape in range(len(spec.shapes)):
                 slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
                 prefix = torch.randint(20, 190, (N,), generator=gen, device="cuda")

@@ -1,7 +1,8 @@
 """The default pair's speculative graphs replayed back to back: per batch size, the plain decode graph, then for each
 of the engine's draft shapes (the adaptive engine's: chain 7, chain 3) its draft graph, and its draft graph followed
 by its verify graph, the static inputs restored before each replay (one small copy, in every figure), so that every
-replay drafts and verifies the same rows at the same positions; verify = (draft + verify) - draft. µs a replay, the
+replay drafts and verifies the same rows at the same positions; verify = (draft + verify) - draft; then the draft's
+catch-up graphs (each flush width, one position a row — a shadow step's — and a whole row). µs a replay, the
 median of --rounds rounds of --reps replays, beside the roofline: the bytes a replay must read (the target's weights
 for decode and verify, the draft layer and lm_head for each draft level, the catch-up's draft layer and fc in
 verify) over the copy bandwidth measured in the same run. These graphs are bound by their launches (~200 a
@@ -131,6 +132,21 @@ def _bodies(engine: LLMEngine, batch_size: int, shape: int) -> tuple[Callable[[]
     return draft_eager, draft_verify_eager
 
 
+def _catch_up_body(engine: LLMEngine, batch_size: int, width: int, valid: int) -> Callable[[], None]:
+    """The draft's catch-up (`SpecDecoder.flush_rows`) of the running rows in rows `width` wide, `valid` positions
+    each (the flush graph of that width on CUDA, with its inputs' copies; eagerly elsewhere): a shadow step's
+    catch-up is one position. It rewrites the draft's K/V at the rows' last cached positions, which no replay reads."""
+    spec = engine.spec
+    seqs = list(engine.scheduler.running)[:batch_size]
+    device = engine.runner.device
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)  # [N, C]
+    starts = torch.tensor([max(0, s.num_computed_tokens - width) for s in seqs], dtype=torch.int64, device=device)
+    counts = torch.full((len(seqs),), valid, dtype=torch.int64, device=device)
+    slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device)
+    run = spec.graphs.flush if spec.graphs is not None else spec.flush_rows
+    return lambda: run(ids, starts, counts, slots)
+
+
 def _measure(
     batch_size: int, args: argparse.Namespace, device: torch.device, dtype: str, bandwidth: float, out
 ) -> None:
@@ -156,6 +172,11 @@ def _measure(
         rows += [(f"{name} draft", drafted, draft_bytes), (f"{name} verify", both - drafted, target + draft + fc),
                  (f"{name} draft + verify", both, draft_bytes + target + draft + fc)]  # fmt: skip
         bodies += [(f"{name} draft", draft_only, drafted), (f"{name} draft + verify", draft_verify, both)]
+    widths = spec.graphs.flush_widths if spec.graphs is not None else [spec.ring]
+    for width in widths:
+        for valid in sorted({1, width}):
+            body = _catch_up_body(engine, batch_size, width, valid)
+            rows.append((f"catch-up {valid} of {width}", _timed(body, device, args.reps, args.rounds), draft + fc))
     for graph, us, nbytes in rows:
         roofline = nbytes / (bandwidth * 1e3)  # µs
         print(f"{batch_size:5d}  {graph:22s} {us:9.2f} {roofline:9.2f}")

@@ -1,6 +1,7 @@
 """bench/spec_graphs.py on the CPU (eager calls of the bodies its graphs capture; a smoke test): one JSON line per
 shape's draft, verify and draft + verify, each with a time and a roofline whose bytes add up (the draft's levels and
-the verify's target, draft layer and fc make the pair's), and a one-line error for bad batch sizes."""
+the verify's target, draft layer and fc make the pair's), one per catch-up (one position a row, a whole row), and a
+one-line error for bad batch sizes."""
 
 import json
 
@@ -12,7 +13,10 @@ def test_spec_graphs_writes_a_line_per_graph(tmp_path, run_bench):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {r["graph"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {f"chain {n} {part}" for n in (7, 3) for part in ("draft", "verify", "draft + verify")}
+    catch_ups = {"catch-up 1 of 128", "catch-up 128 of 128"}  # no graphs on the CPU: the ring's width only
+    shapes = {f"chain {n} {part}" for n in (7, 3) for part in ("draft", "verify", "draft + verify")}
+    assert set(rows) == shapes | catch_ups
+    assert all(rows[c]["us"] > 0 and rows[c]["bytes"] == rows["catch-up 1 of 128"]["bytes"] > 0 for c in catch_ups)
     for n in (7, 3):
         draft, verify, both = (rows[f"chain {n} {part}"] for part in ("draft", "verify", "draft + verify"))
         # (no order of the times: one eager rep each on a shared CPU, session 48 saw the draft timed above the pair)

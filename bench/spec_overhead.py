@@ -14,8 +14,10 @@ host work) is told apart from what the policy's verify steps cost. The waves the
 and the next wave in the reverse order.
 
 `--candidate NAME` adds a run of each wave speculating under a candidate policy (a class `bench/policy_sim.py` names,
-e.g. `FreshExplorationPolicy`, or `module:Class`), its own instance kept across waves as the engine's is: a GPU A/B
-of a policy the simulator favours, in the same waves as the engine's policy.
+e.g. `FreshExplorationPolicy`, or `VerifiedExplorationPolicy`: the engine's without shadow explorations; or
+`module:Class`), its own instance kept across waves as the engine's is: a GPU A/B of a policy the simulator favours,
+in the same waves as the engine's policy. Each run's row counts its verify steps and the drafts its shadow
+explorations scored (`SpecDecoder.shadow_draft`).
 
 `--forced-acceptance wrong` (the default) makes every draft wrong: the overhead of speculating when it never pays;
 `right` drafts each request's plain greedy continuation; `none` keeps the draft's own drafts. There is no roofline:

@@ -91,7 +91,9 @@ SETTLED_STEPS = 16
 # decoding then emits. `bench/policy_sim.py --shadow` (session 53, the default pair at batch 1, drafts always wrong):
 # 0.986x → 0.996x with a steady host; without the margin (every exploration begun while plain is best in shadow) the
 # run whose drafts hover near plain decoding's rate fell 0.956x → 0.945x: a shadow step yields one token where a
-# verify step near the break-even yields more, so a shape that may be about to win is still verified.
+# verify step near the break-even yields more, so a shape that may be about to win is still verified. Measured on an
+# H100 (session 55, `bench/spec_overhead.py`, drafts wrong): at parity with verified explorations, 0.932x / 0.931x at
+# batch 1 and 0.969x / 0.968x at batch 8 — a shadow step's catch-up and draft cost about what a verify step does.
 SHADOW_MARGIN = 0.8
 # The draft and verify times (metrics) are measured on every PHASE_TIMING_EVERY-th verify step: four CUDA events and
 # their read-back cost ~60 µs of host time (H200 host, session 19), ~5% of the default pair's verify step.

@@ -1355,6 +1355,44 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     assert engine.spec.graphs.flush_widths == [SHORT_FLUSH_WIDTH, engine.spec.ring]
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 64, "num_pages": 13, "num_slots": 3, "max_model_len": 48},
+    ],
+    ids=["chunked-7", "preempting"],
+)
+def test_shadow_explorations_through_chunked_prefill_and_preemption(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, engine_args, monkeypatch
+):
+    """Shadow explorations (with verify steps between them) while prompts join in chunks of 7 tokens, or while
+    sequences are preempted and recomputed (3 slots for 8 requests, 13 pages): the outputs are plain decoding's, every
+    shadow draft is scored once its positions are emitted (forced right: the chain's depth where the tokens reach)
+    and none is left pending, and no page or slot leaks (`run`)."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced="right", **CHAIN, **engine_args)
+    few = prompts[:4]
+    many = few + few[::-1]
+    expected = continuations[:4] + continuations[:4][::-1]
+    for i, (p, c) in enumerate(zip(many, expected, strict=True)):
+        engine.spec.forced_continuations[str(i)] = p + c
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4, 8):
+        measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
+    policy.choose = _script([-1] + [0] * 3)  # plain, then the chain for three steps, each in shadow
+    policy.shadows = _script([True])
+    shadowed = _shadow_log(monkeypatch)
+    max_tokens = 10
+    assert run(engine, many, greedy(max_tokens)) == [c[:max_tokens] for c in expected]
+    stats = engine.spec_stats
+    # (a batch the scheduler builds after a prefill step asks the script too: some steps verify)
+    assert stats.num_shadow_drafts >= len(shadowed) >= 8 and not engine.spec.shadows
+    lengths = {str(i): len(p) + max_tokens for i, p in enumerate(many)}
+    assert all(value == min(3, lengths[request] - 1 - root) for (request, root), (value, _) in shadowed.items())
+    if "num_slots" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+
+
 @pytest.mark.parametrize("pattern", ["alternating", "plain", "runs"])
 def test_only_steady_steps_are_timed(tiny_checkpoint, tiny_model, draft_dir, prompts, pattern):
     """With overlap scheduling, only steps launched ahead of the one in flight are timed for the policy: a plain or

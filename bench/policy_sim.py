@@ -43,6 +43,7 @@ SHAPES = ((DraftShape(1, 7, 8), 0.53, 0.30), (DraftShape(1, 3, 4), 0.39, 0.30))
 # GPU ms of each shape's draft graph alone at batch 1 (session 46, replayed back to back): what a shadow exploration
 # (`--shadow`) adds to the plain step it rides on
 DRAFT_GPU_MS = (0.195, 0.074)
+RING = 128  # `--first-guesses`: positions a catch-up scores, every this many steps (the default feature ring)
 
 
 class ConfirmedSwitchPolicy(AdaptivePolicy):
@@ -142,7 +143,7 @@ def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = 
 def simulate(
     taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
     plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
-    seed: int = 0, shadow: bool = False,
+    seed: int = 0, shadow: bool = False, first_guesses: bool = False,
 ) -> dict:  # fmt: skip
     """One run: the policy chooses every step of the host's `factors`; returns the speed-up over plain decoding, the
     oracle's, and each option's share of the steps. `plain`: (GPU, host) ms of a plain step; `later_taus`: the
@@ -163,7 +164,12 @@ def simulate(
     the engine's shadow explorations at parity with verified ones, 0.932x / 0.931x at batch 1 with wrong drafts,
     where this model gives shadows a 1% lead); the first step of such a run is charged as one
     started with the pipeline empty, as a switch of option is (the engine's keeps the pipeline running): a
-    pessimistic simplification."""
+    pessimistic simplification.
+
+    `first_guesses` hands the policy the draft's first guesses every RING steps, RING of them, each right with
+    probability P(a ≥ 1) at that step's acceptance (`--accept-rate`: the rate; `--tau`: the geometric rate whose
+    chain of 3 yields its τ), as the engine's catch-ups score them (`AdaptivePolicy.record_first_guesses`); their
+    cost (the draft's top token at each caught-up position) is not modelled."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
     depths = [shape.max_depth for shape, _, _ in SHAPES]
@@ -187,6 +193,9 @@ def simulate(
                 rates[1:] = mean_taus(accept_rates[1])
             elif later_taus is not None:
                 rates[1:] = later_taus
+        if first_guesses and k % RING == RING - 1:
+            rate = accept_rates[k >= len(factors) // 2] if accept_rates is not None else first_guess_rate(rates[2])
+            policy.record_first_guesses(sum(rng.random() < rate for _ in range(RING)), RING)
         shadowed = shadow and chosen[k] >= 0 and policy.shadows(chosen[k], batch_bucket(batch))
         chosen.append(policy.choose(batch))  # the next step's choice comes before this step's results
         option = chosen[k]
@@ -225,6 +234,16 @@ def simulate(
     }
 
 
+def first_guess_rate(tau: float, depth: int = 3) -> float:
+    """The per-depth acceptance r of a geometric chain of `depth` whose τ is `tau` (1 + r + r² + … + r^depth = τ):
+    the share of first guesses right that `--first-guesses` hands the policy under `--tau`."""
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if 1.0 + sum(mid**d for d in range(1, depth + 1)) < tau else (low, mid)
+    return low
+
+
 def load_policy(spec: str) -> type:
     """`module:Class` → the class (an AdaptivePolicy or one with its interface); a bare name is one of this script's
     (`AdaptivePolicy`, the candidates `ConfirmedSwitchPolicy` and `FreshExplorationPolicy`, and the engine's policy
@@ -257,7 +276,9 @@ def main() -> None:
                    help="AdaptivePolicy (the engine's), ConfirmedSwitchPolicy, FreshExplorationPolicy, "
                    "or module:Class")  # fmt: skip
     p.add_argument("--shadow", action="store_true", help="explorations begun while plain is best run as plain steps "
-                   "that also draft, unverified (a proposal the engine does not have; see `simulate`)")  # fmt: skip
+                   "that also draft, unverified (the engine's shadow explorations; see `simulate`)")  # fmt: skip
+    p.add_argument("--first-guesses", action="store_true", help="the draft's first guesses scored every RING steps "
+                   "(`AdaptivePolicy.record_first_guesses`; see `simulate`)")  # fmt: skip
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]
@@ -275,13 +296,15 @@ def main() -> None:
                    for seed in range(args.seeds)]  # fmt: skip
         plain = (PLAIN[0], args.plain_host_ms)
         runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed,
-                         shadow=args.shadow) for seed, f in enumerate(factors)]  # fmt: skip
+                         shadow=args.shadow, first_guesses=args.first_guesses)
+                for seed, f in enumerate(factors)]  # fmt: skip
         mean = {key: sum(r[key] for r in runs) / len(runs) for key in ("speedup", "oracle_speedup")}
         shares = {name: sum(r["shares"][name] for r in runs) / len(runs) for name in runs[0]["shares"]}
         print(f"{factor:>7.2f} {mean['speedup']:>8.3f}x {mean['oracle_speedup']:>6.3f}x {shares['plain']:>6.1%} "
               f"{shares['1x7']:>6.1%} {shares['1x3']:>6.1%}")  # fmt: skip
         if args.json:
-            row = {"policy": args.policy, "shadow": args.shadow, "tau": taus, "later_tau": later,
+            row = {"policy": args.policy, "shadow": args.shadow, "first_guesses": args.first_guesses, "tau": taus,
+                   "later_tau": later,
                    "accept_rate": accept_rates,
                    "plain_host_ms": args.plain_host_ms,
                    "slow_factor": factor,

@@ -66,6 +66,12 @@ ACCEPT_WINDOW_DRAFTS = 64
 # 0 to 0.9 per depth halfway, steady host: the window alone kept the chain of 7 ruled out, 1.02x against the old
 # policy's 1.13x.)
 BOUND_NEWEST_STEPS = 8
+# The draft's first guesses: each catch-up forward (`SpecDecoder.flush`) also takes the draft's top token at every
+# position it catches up on — exactly the first draft a chain grown from the next position would hold — and the
+# engine scores it against the token plain decoding emitted there. A chain of depth D accepts on average at most
+# D · P(first guess right) drafts, so over the last FIRST_GUESS_WINDOW scored positions that rate (Hoeffding's bound
+# at EXPLORE_STOP_RISK) bounds every chain without verifying any (`AdaptivePolicy.cannot_win`).
+FIRST_GUESS_WINDOW = 512
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
 # leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
@@ -204,6 +210,9 @@ class AdaptivePolicy:
         self.recent_accepted: list[collections.deque] = [collections.deque() for _ in shapes]
         self.accepted_totals = [[0, 0, 0] for _ in shapes]  # per option: the sums of recent_accepted's three counts
         self.newest_accepted = [collections.deque(maxlen=BOUND_NEWEST_STEPS) for _ in shapes]  # the same, newest steps
+        # the draft's first guesses scored (`record_first_guesses`): (right, scored) per catch-up, their sums
+        self.first_guesses: collections.deque = collections.deque()
+        self.first_guess_totals = [0, 0]
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
         self.explore_every: dict[int, int] = {}  # bucket → current exploration interval (steps)
         self.next_explore: dict[int, int] = {}  # bucket → step of its next exploration
@@ -317,8 +326,9 @@ class AdaptivePolicy:
         more whole acceptance than seen: a draft that accepts rarely is not ruled out by a few steps; the larger of
         the bounds from the acceptance window and from the newest BOUND_NEWEST_STEPS verify steps), and its step
         takes no less than the shorter chain's (or its own, where that is less: a median taken in a slow stretch of
-        the host must not keep it from being timed again). False for plain decoding, a tree, a chain with no shorter
-        chain measured, or a bucket with nothing timed."""
+        the host must not keep it from being timed again). Also sure, without a shorter chain: from the draft's first
+        guesses (`first_guess_bound` g), it accepts at most D · g drafts a step, in its own median time. False for
+        plain decoding, a tree, a chain with neither bound, or a bucket with nothing timed."""
         if option < 0 or self.shapes[option].topk != 1:
             return False
         seconds = self.step_seconds
@@ -326,6 +336,8 @@ class AdaptivePolicy:
             return False
         best_rate = self.best_and_rate(bucket, seconds)[1]
         depth = self.shapes[option].max_depth
+        if self._guess_rules_out(option, bucket, seconds, best_rate, self.first_guess_bound()):
+            return True
         for p, prefix in enumerate(self.shapes):
             lower = seconds.get((p, bucket))
             if prefix.topk != 1 or prefix.max_depth >= depth or lower is None or not self.newest_accepted[p]:
@@ -339,6 +351,57 @@ class AdaptivePolicy:
             if bound / lower < best_rate:
                 return True
         return False
+
+    def _guess_rules_out(
+        self, option: int, bucket: int, seconds: dict[tuple[int, int], float], best_rate: float, guess: float | None
+    ) -> bool:
+        """Whether a share `guess` of first guesses right bounds chain `option` below `best_rate` at `bucket`."""
+        own = seconds.get((option, bucket))
+        return guess is not None and own is not None and (1.0 + self.shapes[option].max_depth * guess) / own < best_rate
+
+    def _guess_ruled_out(self, sure: bool) -> set[tuple[int, int]]:
+        """The (chain, bucket) pairs the first guesses rule out now (`cannot_win`'s upper bound), or with `sure` would
+        rule out even at the lower one (the window's rate less the same spread)."""
+        guess = self.first_guess_bound(lower=sure)
+        seconds = self.step_seconds
+        out = set()
+        for bucket in self.next_explore:
+            best_rate = self.best_and_rate(bucket, seconds)[1]
+            out |= {(c, bucket) for c, shape in enumerate(self.shapes)
+                    if shape.topk == 1 and self._guess_rules_out(c, bucket, seconds, best_rate, guess)}  # fmt: skip
+        return out
+
+    def record_first_guesses(self, right: int, scored: int) -> None:
+        """A catch-up's first guesses (`FIRST_GUESS_WINDOW`): `right` of `scored` positions held the token plain
+        decoding emitted next. Kept over the last FIRST_GUESS_WINDOW scored positions. A chain they ruled out and no
+        longer would even at the window's lower bound is explored at its bucket's next step, the interval back to
+        EXPLORE_EVERY: explorations had backed off while it was ruled out, and its drafts now may pay (a rate that
+        merely wanders about the break-even does not reset the interval each time it crosses)."""
+        if scored <= 0:
+            return
+        before = self._guess_ruled_out(sure=False)
+        self.first_guesses.append((right, scored))
+        totals = self.first_guess_totals
+        totals[0] += right
+        totals[1] += scored
+        while totals[1] - self.first_guesses[0][1] >= FIRST_GUESS_WINDOW:
+            old_right, old_scored = self.first_guesses.popleft()
+            totals[0] -= old_right
+            totals[1] -= old_scored
+        for bucket in {bucket for _, bucket in before - self._guess_ruled_out(sure=True)}:
+            self.next_explore[bucket] = self.bucket_steps.get(bucket, 0)
+            self.explore_every[bucket] = EXPLORE_EVERY
+        self._fold_settled()
+        self.plain_until.clear()  # the chains' bounds moved: weigh again
+
+    def first_guess_bound(self, lower: bool = False) -> float | None:
+        """An upper (or `lower`) bound, at confidence 1 − EXPLORE_STOP_RISK (Hoeffding), on the share of positions
+        whose first guess is right, from the scored window; None before any is scored."""
+        right, scored = self.first_guess_totals
+        if scored == 0:
+            return None
+        spread = math.sqrt(math.log(1.0 / EXPLORE_STOP_RISK) / (2 * scored))
+        return max(0.0, right / scored - spread) if lower else min(1.0, right / scored + spread)
 
     def exploration_cannot_win(self, run: _Run, bucket: int) -> bool:
         """Whether an exploration of a draft shape may end before its timed steps: when the drafts its verify steps

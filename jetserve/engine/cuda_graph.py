@@ -15,6 +15,7 @@ import torch
 
 from jetserve import envs
 from jetserve.engine import graph_split
+from jetserve.engine.speculative import FIRST_GUESS_MAX_POSITIONS
 from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree, chain_buffers
 
@@ -224,6 +225,7 @@ class SpecGraphRunner:
         # them), their start, valid count and slot.
         self.flush_widths = sorted({min(SHORT_FLUSH_WIDTH, spec.ring), spec.ring})
         self.flush_ids = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]
+        self.flush_guesses = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]: first guesses out
         self.flush_rows = torch.zeros(3, B, dtype=torch.int64, device=device)  # [3, B]: start, valid, slot
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = self.decode_graphs.pool
@@ -267,7 +269,13 @@ class SpecGraphRunner:
 
     def _flush(self, B: int, width: int) -> None:
         starts, valid, slots = self.flush_rows[:, :B]
-        self.spec.flush_rows(self.flush_ids[:B, :width], starts, valid, slots)
+        guesses = self.flush_guesses[:B, :width] if self._guesses(B, width) else None
+        self.spec.flush_rows(self.flush_ids[:B, :width], starts, valid, slots, guesses)
+
+    def _guesses(self, B: int, width: int) -> bool:
+        """Whether the flush graph of bucket B and `width` also takes the draft's first guesses
+        (FIRST_GUESS_MAX_POSITIONS)."""
+        return B * width <= FIRST_GUESS_MAX_POSITIONS
 
     def steps(self) -> list[tuple[tuple, Callable[[], None]]]:
         """The (graph key, captured body) of every speculative graph, largest bucket first."""
@@ -304,9 +312,12 @@ class SpecGraphRunner:
 
     # ---- replay ----
 
-    def flush(self, ids: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor) -> None:
+    def flush(
+        self, ids: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor | None:
         """The draft's catch-up of N rows (ids [N, C] for a captured width C (`flush_width`), starts / valid / slots
-        [N] int64)."""
+        [N] int64). Returns the rows' first guesses [N, C] (a view of the graph's static buffer, valid until its next
+        replay), or None where its graph takes none."""
         N, width = ids.shape
         B = self._bucket(N)
         self.flush_ids[:N, :width].copy_(ids)
@@ -316,6 +327,7 @@ class SpecGraphRunner:
             self.flush_ids[N:B, :width].zero_()
             self.flush_rows[:, N:B].zero_()
         self.graphs[("flush", B, width)].replay()
+        return self.flush_guesses[:N, :width] if self._guesses(B, width) else None
 
     def draft(self, shape: int, inputs: torch.Tensor, inputs_host: np.ndarray | None = None) -> DraftTree:
         """Draft the trees of N rows: inputs [3, N] int64 (each row's root token, cached prefix and slot), or take

@@ -385,9 +385,9 @@ class LLMEngine:
         return outputs
 
     def _score_shadows(self) -> None:
-        """Score the speculating engine's shadow drafts that the tokens just postprocessed complete
+        """Score the speculating engine's shadow drafts and first guesses that the tokens just postprocessed complete
         (`SpecDecoder.resolve_shadows`)."""
-        if self.spec is not None and self.spec.shadows:
+        if self.spec is not None and (self.spec.shadows or self.spec.first_guesses):
             self.spec.resolve_shadows()
 
     def _drop_ended_launch(self) -> None:

@@ -21,6 +21,10 @@ class HostCopy:
             self.event.synchronize()
         return self.tensor
 
+    def is_ready(self) -> bool:
+        """Whether the copy is made (reading it would not wait)."""
+        return self.event is None or self.event.query()
+
     def read(self) -> list:
         """The copy as a (nested) list."""
         return self.wait().tolist()

@@ -72,6 +72,9 @@ BOUND_NEWEST_STEPS = 8
 # D · P(first guess right) drafts, so over the last FIRST_GUESS_WINDOW scored positions that rate (Hoeffding's bound
 # at EXPLORE_STOP_RISK) bounds every chain without verifying any (`AdaptivePolicy.cannot_win`).
 FIRST_GUESS_WINDOW = 512
+# ... taken by a catch-up of at most this many positions (rows × width: its logits over the draft's vocabulary are
+# this many rows); a larger one (a ring's catch-up at a large batch) takes none.
+FIRST_GUESS_MAX_POSITIONS = 1024
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
 # leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
@@ -581,6 +584,9 @@ class SpecStats:
     # the drafts they would have had accepted (not in τ or the per-depth rates: nothing was verified)
     num_shadow_drafts: int = 0
     num_shadow_accepted: int = 0
+    # The draft's first guesses scored against the tokens plain decoding emitted (`FirstGuesses`), and those right
+    num_first_guesses: int = 0
+    num_first_guesses_right: int = 0
 
     def add(self, num_nodes: int, accepted_drafts: list[int], depths: list[int]) -> None:
         self.num_verify_steps += 1
@@ -629,6 +635,8 @@ class SpecStats:
             "verify_ms_per_step": round(self.verify_ms_per_step, 4),
             "num_shadow_drafts": self.num_shadow_drafts,
             "num_shadow_accepted": self.num_shadow_accepted,
+            "num_first_guesses": self.num_first_guesses,
+            "num_first_guesses_right": self.num_first_guesses_right,
         }
 
 
@@ -743,6 +751,31 @@ def accepted_along(tokens: list[int], parents: list[int], emitted: list[int]) ->
     return len(emitted)
 
 
+@dataclass
+class FirstGuesses:
+    """A catch-up's first guesses (`SpecDecoder.flush`), waiting for the tokens they guess: the guess at position t
+    is the draft's top token for position t + 2 (t + 1 is the catch-up's own input there)."""
+
+    rows: list[tuple[Sequence, int, int]]  # per row: the sequence, and the positions [start, end) caught up on
+    guesses: HostCopy  # [N, C] int64, being copied to the host
+
+    def is_due(self) -> bool:
+        """Whether every row's guessed tokens are known (or its sequence ended), and the copy is made."""
+        return all(s.is_finished or len(s.token_ids) >= end + 2 for s, _, end in self.rows) and self.guesses.is_ready()
+
+    def score(self, forced: str | None) -> tuple[int, int]:
+        """(right, scored) over the positions whose guessed token is known. Forced acceptance (benchmarks): a forced
+        draft's first token is the continuation (right) or never it (wrong), whatever the draft guessed."""
+        table = self.guesses.read()
+        right = scored = 0
+        for (seq, start, end), row in zip(self.rows, table, strict=True):
+            tokens = seq.token_ids
+            for t in range(start, min(end, len(tokens) - 2)):
+                scored += 1
+                right += row[t - start] == tokens[t + 2]
+        return {None: right, "wrong": 0}.get(forced, scored), scored
+
+
 # (the drafted tree, the sequences' slots [N] int64) → the tree to verify (tests and forced-acceptance runs).
 TreeOverride = Callable[[DraftTree, torch.Tensor], DraftTree]
 
@@ -825,6 +858,7 @@ class SpecDecoder:
         # steady state of verifying every step, which the policy does not time (`AdaptivePolicy`).
         self.verify_caught_up = False
         self.shadows: list[ShadowDraft] = []  # shadow explorations' drafts not yet scored (`resolve_shadows`)
+        self.first_guesses: list[FirstGuesses] = []  # catch-ups' first guesses not yet scored (`resolve_shadows`)
         # Engine steps not to time: a shadow step (its draft and catch-up are not plain decoding's) and the one whose
         # call launched it (the host launched them during that step's time)
         self._untimed_steps = 0
@@ -927,9 +961,20 @@ class SpecDecoder:
         return True
 
     def resolve_shadows(self) -> None:
-        """Score the shadow drafts whose drafted positions plain decoding has emitted (`ShadowDraft.is_due`) and hand
-        their acceptance to the policy, as a verify step's. The engine calls it after each step's tokens are
-        postprocessed, while any are pending."""
+        """Score the catch-ups' first guesses whose tokens plain decoding has emitted (`FirstGuesses`, handed to the
+        policy's first-guess window) and the shadow drafts likewise (`ShadowDraft.is_due`, their acceptance handed to
+        the policy as a verify step's). The engine calls it after each step's tokens are postprocessed, while any are
+        pending."""
+        waiting = []
+        for guesses in self.first_guesses:
+            if not guesses.is_due():
+                waiting.append(guesses)
+                continue
+            right, scored = guesses.score(self.forced)
+            self.stats.num_first_guesses += scored
+            self.stats.num_first_guesses_right += right
+            self.policy.record_first_guesses(right, scored)
+        self.first_guesses = waiting
         pending = []
         for shadow in self.shadows:
             depth = self.shapes[shadow.shape].max_depth
@@ -996,9 +1041,13 @@ class SpecDecoder:
         dev = flat[: host.size].view(num_seqs, width + 3)
         ids, starts, valid, slots = dev[:, :width], dev[:, width], dev[:, width + 1], dev[:, width + 2]
         if graphs is not None:
-            graphs.flush(ids, starts, valid, slots)
+            guesses = graphs.flush(ids, starts, valid, slots)
         else:
-            self.flush_rows(ids, starts, valid, slots)
+            guesses = ids.new_empty(ids.shape) if num_seqs * width <= FIRST_GUESS_MAX_POSITIONS else None
+            self.flush_rows(ids, starts, valid, slots, guesses)
+        if guesses is not None:
+            rows = [(seq, int(self.draft_len[slot]), end) for seq, slot, end in todo]
+            self.first_guesses.append(FirstGuesses(rows, start_host_copy(guesses)))
         for _, slot, end in todo:
             self.draft_len[slot] = end
 
@@ -1008,15 +1057,17 @@ class SpecDecoder:
         starts: torch.Tensor,  # [N] int64: each row's first missed position (its draft_len)
         valid: torch.Tensor,  # [N] int64: missed positions per row (0 for padding rows)
         slots: torch.Tensor,  # [N] int64 (0 for padding rows)
+        guesses: torch.Tensor | None = None,  # [N, C] int64 out: the draft's first guess at each position
     ) -> None:
         """The catch-up's device part (what a flush graph captures): one draft forward of N rows of C tokens, the
-        first `valid` of each stored and counted; a row with none keeps its draft output."""
+        first `valid` of each stored and counted; a row with none keeps its draft output. With `guesses`, the draft's
+        top token at every position too (`FIRST_GUESS_WINDOW`)."""
         width = ids.shape[1]
         positions = starts[:, None] + torch.arange(width, device=ids.device)  # [N, C]
         index = (slots[:, None].expand(-1, width), positions % self.ring)
         features = list(self.missed_features[index].flatten(0, 1).unbind(1))  # one [N*C, H_t] per capture layer
         kv = DraftKV(self.runner.block_table[slots], self.runner.page_size)
-        hidden = self.drafters[0].extend_rows(ids, features, starts, kv, valid)  # [N, H]
+        hidden = self.drafters[0].extend_rows(ids, features, starts, kv, valid, guesses)  # [N, H]
         self.last_hidden[slots] = torch.where((valid > 0)[:, None], hidden, self.last_hidden[slots])
 
     def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> None:

@@ -147,12 +147,15 @@ class Drafter:
         start_positions: torch.Tensor,
         kv: DraftKV,
         num_valid: torch.Tensor,
+        guesses: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`extend` for N rows of C tokens each (a verify step's catch-up, a flush of missed positions): its owner and
         offset of every token come from the shape instead of `cu_seqlens` (a few kernels fewer in the graphs that
         capture it). input_ids [N, C], aux_hidden_states one [N*C, H_t] per capture layer (row-major), start_positions
         [N] int64, num_valid [N]: the first num_valid tokens of a row are stored and count. Returns [N, H], each row's
-        output at its last valid token (a row with none stores nothing; its output row is meaningless)."""
+        output at its last valid token (a row with none stores nothing; its output row is meaningless). `guesses`
+        [N, C] int64, when given, gets the draft's top token at every position: the first draft of a chain grown from
+        the position after it (what `draft_tree` would draft there)."""
         num_seqs, width = input_ids.shape
         # Padding tokens (offset ≥ num_valid) take their row's last valid position, so their RoPE and page lookups stay
         # inside what the sequence holds; they write nothing, and causality hides them from the valid tokens. One
@@ -161,6 +164,8 @@ class Drafter:
                                                           kv.page_size)  # [N, C], [N, C], [N], [N]  # fmt: skip
         fb = self._rows_batch(positions.view(-1), num_seqs, width, context_lens, slots.view(-1), kv.block_tables)
         hidden = self.draft(input_ids.reshape(-1), self.draft.project_features(aux_hidden_states), fb)  # [N*C, H]
+        if guesses is not None:
+            guesses.copy_(self.draft.top_candidate(hidden)[1].view(num_seqs, width))
         return hidden.view(num_seqs, width, -1)[self.constants.arange(num_seqs, input_ids.device), last]
 
     def extend_after_verify(

@@ -119,3 +119,16 @@ def test_shadow_explorations_cost_less_where_drafts_lose_and_nothing_where_they_
     turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9")
     turn_shadowed, _ = simulate(tmp_path, "--accept-rate", "0,0.9", "--shadow")
     assert turn_shadowed["speedup"] >= turn["speedup"] - 1e-3 and turn_shadowed["shares"]["1x7"] > 0.1
+
+
+def test_first_guesses_spare_explorations_of_drafts_that_lose_and_follow_drafts_that_turn(tmp_path):
+    """`--first-guesses` (the engine's catch-ups score the draft's first guesses, `record_first_guesses`): with every
+    draft wrong the chains are bound below plain decoding without being verified, so explorations stop costing;
+    drafts that start to pay halfway are found as soon as the guesses turn (their chain explored at once)."""
+    wrong, _ = simulate(tmp_path, "--accept-rate", "0")
+    wrong_guessed, _ = simulate(tmp_path, "--accept-rate", "0", "--first-guesses")
+    assert wrong_guessed["first_guesses"] and not wrong["first_guesses"]
+    assert wrong_guessed["speedup"] > wrong["speedup"] + 0.005 and wrong_guessed["shares"]["plain"] > 0.998
+    turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9")
+    turn_guessed, _ = simulate(tmp_path, "--accept-rate", "0,0.9", "--first-guesses")
+    assert turn_guessed["speedup"] >= turn["speedup"] - 0.01 and turn_guessed["shares"]["1x7"] > 0.3

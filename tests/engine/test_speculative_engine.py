@@ -32,6 +32,7 @@ from jetserve.engine.speculative import (
     TIME_SAMPLES,
     AdaptivePolicy,
     DraftShape,
+    FirstGuesses,
     ShadowDraft,
     VerifyLaunch,
     accepted_along,
@@ -1340,7 +1341,7 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     shadowed = _shadow_log(monkeypatch)
     widths = []  # of the flush graphs replayed: a shadow step catches up one position, in the short rows
     flush = engine.spec.graphs.flush
-    engine.spec.graphs.flush = lambda ids, *rows: (widths.append(ids.shape[1]), flush(ids, *rows))
+    engine.spec.graphs.flush = lambda ids, *rows: widths.append(ids.shape[1]) or flush(ids, *rows)
     shadow_steps = []
     shadow_draft = engine.spec.shadow_draft
     engine.spec.shadow_draft = lambda *args: shadow_steps.append(shadow_draft(*args)) or shadow_steps[-1]
@@ -1391,6 +1392,114 @@ def test_shadow_explorations_through_chunked_prefill_and_preemption(
     assert all(value == min(3, lengths[request] - 1 - root) for (request, root), (value, _) in shadowed.items())
     if "num_slots" in engine_args:
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_first_guesses_bound_every_chain_and_a_chain_they_free_is_explored_at_once():
+    """The draft's first guesses (`record_first_guesses`): with none right over a window, every chain is bound below
+    plain decoding at its own median (a chain of 3 in 3 s: at most 1 + 3 · 0.054 tokens, against plain's 1 in 1 s), so
+    explorations skip it; the window keeps the newest FIRST_GUESS_WINDOW positions; once the guesses turn right
+    (sure of it at the lower bound), the chain is explored at its bucket's next step, the interval reset."""
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    measure(policy, 1, {0: 3.0, -1: 1.0})
+    policy.record_acceptance(0, [0])  # plain decoding is best
+    policy.measured.add(1)
+    policy.next_explore[1], policy.explore_every[1] = 500, 1024
+    policy.bucket_steps[1] = 100
+    assert not policy.cannot_win(0, 1) and policy.first_guess_bound() is None
+    for _ in range(4):
+        policy.record_first_guesses(0, 128)
+    assert policy.first_guess_totals == [0, 512] and policy.first_guess_bound() == pytest.approx(0.0541, abs=1e-4)
+    assert policy.cannot_win(0, 1) and policy._explorable(1, -1) == [-1]
+    policy.record_first_guesses(0, 128)  # the oldest catch-up leaves the window
+    assert policy.first_guess_totals == [0, 512] and len(policy.first_guesses) == 4
+    assert policy.next_explore[1] == 500  # still ruled out: nothing moved
+    for _ in range(4):
+        policy.record_first_guesses(128, 128)  # every guess right: up to 1 + 3 tokens in 3 s, plain's rate
+    assert not policy.cannot_win(0, 1)
+    assert policy.next_explore[1] == 100 and policy.explore_every[1] == EXPLORE_EVERY
+    assert policy.choose(1) == 0  # explored at once
+
+
+def _guess_log(monkeypatch) -> list[tuple[str, int, int]]:
+    """(request id, position t, the draft's first guess there) of every catch-up's scored guesses."""
+    log = []
+    score = FirstGuesses.score
+
+    def logged(self, forced):
+        table = self.guesses.read()
+        for (seq, start, end), row in zip(self.rows, table, strict=True):
+            log.extend((seq.request_id, t, row[t - start]) for t in range(start, min(end, len(seq.token_ids) - 2)))
+        return score(self, forced)
+
+    monkeypatch.setattr(FirstGuesses, "score", logged)
+    return log
+
+
+@pytest.mark.parametrize("forced", [None, "right", "wrong"])
+def test_catch_ups_score_the_drafts_first_guesses(
+    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, forced, monkeypatch
+):
+    """Every catch-up (an 8-position ring here, on the graph path run eagerly) takes the draft's top token at each
+    position it catches up on and, once plain decoding has emitted the token two positions on, scores it: the guess
+    at t is exactly the first draft of a chain grown from t + 1 (a shadow draft from that root holds it), and the
+    policy's window gets the counts (forced acceptance: all right, or none)."""
+    chosen = [prompts[i] for i in (1, 3, 4)]
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=forced, spec_feature_ring=8, **CHAIN)
+    for k, i in enumerate((1, 3, 4)):
+        engine.spec.forced_continuations[str(k)] = prompts[i] + continuations[i]
+    _eager_graphs(engine, [1, 2, 4])
+    policy = engine.spec.policy
+    for bucket in (1, 2, 4):
+        measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
+    policy.choose = _script([-1] * 12 + [0])  # plain stretches (ring catch-ups), then a shadow draft
+    policy.shadows = _script([True])
+    guesses, shadowed = _guess_log(monkeypatch), []
+    accepted = ShadowDraft.accepted
+
+    def first_drafts(self, depth):  # (request id, root position, the chain's first draft)
+        tokens, _ = self.nodes.read()
+        rows = zip(self.seqs, self.first.tolist(), tokens, strict=True)
+        shadowed.extend((seq.request_id, first - 1, row[1]) for seq, first, row in rows)
+        return accepted(self, depth)
+
+    monkeypatch.setattr(ShadowDraft, "accepted", first_drafts)
+    assert run(engine, chosen, greedy(max_tokens=MAX_TOKENS + 8)) == [continuations[i] for i in (1, 3, 4)]
+    stats = engine.spec_stats
+    assert stats.num_first_guesses == len(guesses) >= 30 and not engine.spec.first_guesses
+    full = {str(k): prompts[i] + continuations[i] for k, i in enumerate((1, 3, 4))}
+    right = sum(guess == full[request][t + 2] for request, t, guess in guesses)
+    assert stats.num_first_guesses_right == {None: right, "right": len(guesses), "wrong": 0}[forced]
+    assert 0 < policy.first_guess_totals[1] <= len(guesses)
+    if forced is None:  # the draft's own guesses: the same token a chain from the next root drafts first
+        by_position = {(request, t): guess for request, t, guess in guesses}
+        common = [(r, root) for r, root, _ in shadowed if (r, root - 1) in by_position]
+        assert len(common) >= 3
+        assert all(by_position[(r, root - 1)] == token for r, root, token in shadowed if (r, root - 1) in by_position)
+
+
+def test_first_guesses_are_scored_against_the_token_two_positions_on(tiny_checkpoint, tiny_model, draft_dir, prompts):
+    """A catch-up whose draft guesses like an oracle at every position but each row's last (there its input row holds
+    the token two positions on: position t's input is token t + 1): all those are scored right, the last ones wrong."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_feature_ring=8, **CHAIN)
+    drafter = engine.spec.drafters[0]
+    extend_rows = drafter.extend_rows
+    lasts = [0]
+
+    def oracle(ids, features, starts, kv, valid, guesses=None):
+        out = extend_rows(ids, features, starts, kv, valid, guesses)
+        if guesses is not None:
+            guesses.fill_(-1)
+            for row, count in enumerate(valid.tolist()):
+                guesses[row, : count - 1] = ids[row, 1:count]  # position t's guess: token t + 2
+                lasts[0] += count > 0
+        return out
+
+    drafter.extend_rows = oracle
+    engine.spec.policy.forced_option = -1  # plain decoding throughout: ring catch-ups only
+    run(engine, [prompts[i] for i in (1, 3)], greedy(max_tokens=MAX_TOKENS + 8))
+    stats = engine.spec_stats
+    assert stats.num_first_guesses >= 20 and stats.num_first_guesses - stats.num_first_guesses_right <= lasts[0]
+    assert stats.num_first_guesses_right >= stats.num_first_guesses - lasts[0] > 0
 
 
 @pytest.mark.parametrize("pattern", ["alternating", "plain", "runs"])

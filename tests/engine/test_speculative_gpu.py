@@ -14,6 +14,7 @@ from jetserve.engine import graph_split
 from jetserve.engine.bench_offline import random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.speculative import FIRST_GUESS_MAX_POSITIONS
 from jetserve.model.loader import load_model
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint, random_draft_model
@@ -144,7 +145,7 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
     """Every bucket and draft shape: drafting and verify (acceptance, commit, catch-up) replayed from the graphs give
     the eager result and leave the same caches, for N = B and N = B - 1 (padded) rows; so does the catch-up on what
     plain steps skipped (the flush graphs), with 0 to a ring's length (32 here) or to SHORT_FLUSH_WIDTH positions a
-    row."""
+    row, and the draft's first guesses the flush graphs within FIRST_GUESS_MAX_POSITIONS take."""
     engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, spec_topk=2, spec_steps=3,
                          spec_num_draft_tokens=6, num_slots=40, max_num_seqs=32, spec_feature_ring=32)  # fmt: skip
     spec, graphs = engine.spec, engine.spec.graphs
@@ -181,12 +182,16 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                 starts = torch.randint(20, 150, (N,), generator=gen, device="cuda")
                 valid = torch.randint(0, width + 1, (N,), generator=gen, device="cuda")
                 before = [t.clone() for t in caches]
-                spec.flush_rows(ids, starts, valid, slots)
+                guesses = torch.empty_like(ids)
+                spec.flush_rows(ids, starts, valid, slots, guesses)
                 eager_caches = [t.clone() for t in caches]
                 for t, saved in zip(caches, before, strict=True):
                     t.copy_(saved)
-                graphs.flush(ids, starts, valid, slots)
+                graph_guesses = graphs.flush(ids, starts, valid, slots)
                 check_caches(eager_caches, f"flush B={B} N={N} width={width}")
+                if graph_guesses is not None:  # the draft's first guesses (FIRST_GUESS_MAX_POSITIONS)
+                    assert torch.equal(graph_guesses, guesses), f"first guesses B={B} N={N} width={width}"
+                assert (graph_guesses is None) == (B * width > FIRST_GUESS_MAX_POSITIONS)
             for shape in range(len(spec.shapes)):
                 slots = torch.randperm(39, generator=gen, device="cuda")[:N] + 1
                 prefix = torch.randint(20, 190, (N,), generator=gen, device="cuda")

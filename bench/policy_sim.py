@@ -20,7 +20,8 @@ and once with the slow stretches, over `--seeds` seeds (means).
 One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
        [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
-       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|module:Class] [--shadow]
+       [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|VerifiedExplorationPolicy|module:Class]
+       [--shadow] [--first-guesses]
        [--json FILE]
 """
 

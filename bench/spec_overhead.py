@@ -17,7 +17,8 @@ and the next wave in the reverse order.
 e.g. `FreshExplorationPolicy`, or `VerifiedExplorationPolicy`: the engine's without shadow explorations; or
 `module:Class`), its own instance kept across waves as the engine's is: a GPU A/B of a policy the simulator favours,
 in the same waves as the engine's policy. Each run's row counts its verify steps and the drafts its shadow
-explorations scored (`SpecDecoder.shadow_draft`).
+explorations scored (`SpecDecoder.shadow_draft`); a line after the table (and the JSON) gives each run's first guesses
+right and scored (`FirstGuesses`: what lets the policy rule chains out without verifying them).
 
 `--forced-acceptance wrong` (the default) makes every draft wrong: the overhead of speculating when it never pays;
 `right` drafts each request's plain greedy continuation; `none` keeps the draft's own drafts. There is no roofline:
@@ -111,6 +112,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     verify_steps: dict[str, list[int]] = {mode: [] for mode in modes}  # each run's verify steps, wave by wave
     shadow_drafts = {mode: 0 for mode in modes}  # drafts its shadow explorations scored (`SpecDecoder.shadow_draft`)
+    guesses = {mode: [0, 0] for mode in modes}  # the draft's first guesses right, scored (`FirstGuesses`)
     agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
@@ -122,11 +124,16 @@ def main() -> None:
                 for i, prompt in enumerate(wave):
                     row = engine.spec.forced_row(prompt + continuations[w * b + i])
                     engine.spec.forced_continuations[f"{tag}-{i}"] = row
-            verify_before, shadow_before = engine.spec_stats.num_verify_steps, engine.spec_stats.num_shadow_drafts
+            stats = engine.spec_stats
+            before = (stats.num_verify_steps, stats.num_shadow_drafts, stats.num_first_guesses_right,
+                      stats.num_first_guesses)  # fmt: skip
             wall, outputs = run_wave(engine, wave, params, tag)
+            stats = engine.spec_stats
             seconds[mode].append(wall)
-            verify_steps[mode].append(engine.spec_stats.num_verify_steps - verify_before)
-            shadow_drafts[mode] += engine.spec_stats.num_shadow_drafts - shadow_before
+            verify_steps[mode].append(stats.num_verify_steps - before[0])
+            shadow_drafts[mode] += stats.num_shadow_drafts - before[1]
+            guesses[mode][0] += stats.num_first_guesses_right - before[2]
+            guesses[mode][1] += stats.num_first_guesses - before[3]
             agree[mode] += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
     engine.spec.policy = policies["spec"]
     plain = seconds["plain"]
@@ -135,6 +142,7 @@ def main() -> None:
         "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "wave_seconds": seconds,
         "wave_verify_steps": verify_steps["spec"],
         "verify_steps": sum(verify_steps["spec"]), "shadow_drafts": shadow_drafts["spec"],
+        "first_guesses_right_scored": guesses["spec"],
         "requests_equal_to_plain": agree["spec"],
         "requests": len(prompts),
     }  # fmt: skip
@@ -150,13 +158,15 @@ def main() -> None:
         row |= {f"{mode}_s": sum(runs), f"{key}speedup": sum(plain) / sum(runs),
                 f"{key}speedup_median_wave": median, f"{key}speedup_ci95": [low, high]}  # fmt: skip
         if mode != "spec":
-            row |= {f"{mode}_verify_steps": sum(verify_steps[mode]), f"{mode}_shadow_drafts": shadow_drafts[mode]}
+            row |= {f"{mode}_verify_steps": sum(verify_steps[mode]), f"{mode}_shadow_drafts": shadow_drafts[mode],
+                    f"{mode}_first_guesses_right_scored": guesses[mode]}  # fmt: skip
         if mode == "cand":
             row |= {"candidate": args.candidate, "cand_requests_equal_to_plain": agree["cand"]}
         same = f"{agree[mode]}/{len(prompts)}"
         print(f"{b:>5} {args.waves:>5} {name:>11} {sum(plain):>8.3f} {sum(runs):>8.3f} {sum(plain) / sum(runs):>8.3f}x "
               f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {sum(verify_steps[mode]):>12} "
               f"{shadow_drafts[mode]:>13} {same:>13}")  # fmt: skip
+    print("first guesses right / scored: " + ", ".join(f"{m} {r}/{n}" for m, (r, n) in guesses.items() if m != "plain"))
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

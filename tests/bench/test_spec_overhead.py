@@ -28,6 +28,7 @@ def test_a_row_and_a_json_line(tmp_path, run_bench):
     assert low <= high and row["speedup_median_wave"] > 0
     assert row["requests_equal_to_plain"] == 2  # fp32 on the CPU: exact whatever the drafts
     assert "95% interval" in run.stdout and "shadow drafts" in run.stdout and row["shadow_drafts"] >= 0
+    assert "first guesses right / scored" in run.stdout and len(row["first_guesses_right_scored"]) == 2
 
 
 def test_bad_counts_are_a_one_line_error(run_bench):

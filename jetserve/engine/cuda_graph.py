@@ -15,7 +15,7 @@ import torch
 
 from jetserve import envs
 from jetserve.engine import graph_split
-from jetserve.engine.speculative import FIRST_GUESS_MAX_POSITIONS
+from jetserve.engine.speculative import takes_first_guesses
 from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree, chain_buffers
 
@@ -269,13 +269,8 @@ class SpecGraphRunner:
 
     def _flush(self, B: int, width: int) -> None:
         starts, valid, slots = self.flush_rows[:, :B]
-        guesses = self.flush_guesses[:B, :width] if self._guesses(B, width) else None
+        guesses = self.flush_guesses[:B, :width] if takes_first_guesses(B, width) else None
         self.spec.flush_rows(self.flush_ids[:B, :width], starts, valid, slots, guesses)
-
-    def _guesses(self, B: int, width: int) -> bool:
-        """Whether the flush graph of bucket B and `width` also takes the draft's first guesses
-        (FIRST_GUESS_MAX_POSITIONS)."""
-        return B * width <= FIRST_GUESS_MAX_POSITIONS
 
     def steps(self) -> list[tuple[tuple, Callable[[], None]]]:
         """The (graph key, captured body) of every speculative graph, largest bucket first."""
@@ -327,7 +322,7 @@ class SpecGraphRunner:
             self.flush_ids[N:B, :width].zero_()
             self.flush_rows[:, N:B].zero_()
         self.graphs[("flush", B, width)].replay()
-        return self.flush_guesses[:N, :width] if self._guesses(B, width) else None
+        return self.flush_guesses[:N, :width] if takes_first_guesses(B, width) else None
 
     def draft(self, shape: int, inputs: torch.Tensor, inputs_host: np.ndarray | None = None) -> DraftTree:
         """Draft the trees of N rows: inputs [3, N] int64 (each row's root token, cached prefix and slot), or take

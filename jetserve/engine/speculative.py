@@ -75,6 +75,14 @@ FIRST_GUESS_WINDOW = 512
 # ... taken by a catch-up of at most this many positions (rows × width: its logits over the draft's vocabulary are
 # this many rows); a larger one (a ring's catch-up at a large batch) takes none.
 FIRST_GUESS_MAX_POSITIONS = 1024
+
+
+def takes_first_guesses(num_rows: int, width: int) -> bool:
+    """Whether a catch-up of `num_rows` rows `width` wide takes the draft's first guesses (FIRST_GUESS_MAX_POSITIONS):
+    eagerly, and as the flush graph of that bucket and width."""
+    return num_rows * width <= FIRST_GUESS_MAX_POSITIONS
+
+
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
 # leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
@@ -726,9 +734,10 @@ class ShadowDraft:
 
     def is_due(self, depth: int) -> bool:
         """Whether every row's tokens at the drafted positions are known (or its sequence ended): `depth` past
-        `first`."""
-        return all(s.is_finished or len(s.token_ids) >= f + depth for s, f in zip(self.seqs, self.first.tolist(),
-                                                                                  strict=True))  # fmt: skip
+        `first`; and the trees' copy is made (a chain of one draft is due with the step in flight's token, which
+        the draft queued behind it may not have followed yet: reading then would wait on the device)."""
+        rows = zip(self.seqs, self.first.tolist(), strict=True)
+        return all(s.is_finished or len(s.token_ids) >= f + depth for s, f in rows) and self.nodes.is_ready()
 
     def accepted(self, depth: int) -> list[int | None]:
         """Per row, the drafts greedy verification would have accepted — the longest path from the root whose tokens
@@ -1043,7 +1052,7 @@ class SpecDecoder:
         if graphs is not None:
             guesses = graphs.flush(ids, starts, valid, slots)
         else:
-            guesses = ids.new_empty(ids.shape) if num_seqs * width <= FIRST_GUESS_MAX_POSITIONS else None
+            guesses = ids.new_empty(ids.shape) if takes_first_guesses(num_seqs, width) else None
             self.flush_rows(ids, starts, valid, slots, guesses)
         if guesses is not None:
             rows = [(seq, int(self.draft_len[slot]), end) for seq, slot, end in todo]

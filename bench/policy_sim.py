@@ -21,7 +21,7 @@ One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
        [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
        [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|VerifiedExplorationPolicy|module:Class]
-       [--shadow] [--first-guesses]
+       [--shadow] [--first-guesses [--request-len N]]
        [--json FILE]
 """
 
@@ -144,7 +144,7 @@ def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = 
 def simulate(
     taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
     plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
-    seed: int = 0, shadow: bool = False, first_guesses: bool = False,
+    seed: int = 0, shadow: bool = False, first_guesses: bool = False, request_len: int | None = None,
 ) -> dict:  # fmt: skip
     """One run: the policy chooses every step of the host's `factors`; returns the speed-up over plain decoding, the
     oracle's, and each option's share of the steps. `plain`: (GPU, host) ms of a plain step; `later_taus`: the
@@ -170,7 +170,11 @@ def simulate(
     `first_guesses` hands the policy the draft's first guesses every RING steps, RING of them, each right with
     probability P(a ≥ 1) at that step's acceptance (`--accept-rate`: the rate; `--tau`: the geometric rate whose
     chain of 3 yields its τ), as the engine's catch-ups score them (`AdaptivePolicy.record_first_guesses`); their
-    cost (the draft's top token at each caught-up position) is not modelled."""
+    cost (the draft's top token at each caught-up position) is not modelled. With `request_len` the guesses come as
+    the engine's catch-ups bring them in requests of that many tokens: a verify or shadow step catches up (and
+    scores) the positions its request's plain steps left since the last catch-up, a ring's worth of them is caught
+    up when it fills, and a new request starts with none (its prompt's catch-up scores nothing); so requests shorter
+    than RING score guesses only through explorations."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
     depths = [shape.max_depth for shape, _, _ in SHAPES]
@@ -188,15 +192,21 @@ def simulate(
     seconds = tokens = oracle_seconds = plain_seconds = 0.0
     drafted = [0.0] * len(SHAPES)  # per option: accepted drafts owed so far (τ - 1 a step), of which...
     handed = [0] * len(SHAPES)  # ... whole ones reported to the policy
+    missed = produced = 0  # `request_len`: positions since the draft's last catch-up, tokens of the request so far
     for k, host in enumerate(factors):
         if k == len(factors) // 2:
             if accept_rates is not None:
                 rates[1:] = mean_taus(accept_rates[1])
             elif later_taus is not None:
                 rates[1:] = later_taus
-        if first_guesses and k % RING == RING - 1:
+        if request_len is None:
+            scored = RING if first_guesses and k % RING == RING - 1 else 0
+        else:
+            scored = missed if first_guesses and (chosen[k] >= 0 or missed >= RING) else 0
+            missed -= scored
+        if scored:
             rate = accept_rates[k >= len(factors) // 2] if accept_rates is not None else first_guess_rate(rates[2])
-            policy.record_first_guesses(sum(rng.random() < rate for _ in range(RING)), RING)
+            policy.record_first_guesses(sum(rng.random() < rate for _ in range(scored)), scored)
         shadowed = shadow and chosen[k] >= 0 and policy.shadows(chosen[k], batch_bucket(batch))
         chosen.append(policy.choose(batch))  # the next step's choice comes before this step's results
         option = chosen[k]
@@ -223,6 +233,11 @@ def simulate(
                 policy.record_step(option, batch, ms / 1e3)
         seconds += ms
         tokens += step_tokens
+        if request_len is not None:
+            missed += 1 if option < 0 or shadowed else 0  # a verify step's draft catches up on what it accepted
+            produced += step_tokens
+            if produced >= request_len:  # the next request: its prompt's catch-up leaves nothing missed
+                missed = produced = 0
         plain_seconds += step_ms(-1, host, True, plain) * step_tokens  # plain decoding's time for the same tokens
         best = min(options, key=lambda o: step_ms(o, host, True, plain) / tau(o))
         oracle_seconds += step_ms(best, host, True, plain) / tau(best) * step_tokens
@@ -280,6 +295,8 @@ def main() -> None:
                    "that also draft, unverified (the engine's shadow explorations; see `simulate`)")  # fmt: skip
     p.add_argument("--first-guesses", action="store_true", help="the draft's first guesses scored every RING steps "
                    "(`AdaptivePolicy.record_first_guesses`; see `simulate`)")  # fmt: skip
+    p.add_argument("--request-len", type=int, help="with --first-guesses: requests of this many tokens, whose "
+                   "catch-ups alone score guesses (see `simulate`); default: a ring's catch-up every RING steps")
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]
@@ -297,14 +314,15 @@ def main() -> None:
                    for seed in range(args.seeds)]  # fmt: skip
         plain = (PLAIN[0], args.plain_host_ms)
         runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed,
-                         shadow=args.shadow, first_guesses=args.first_guesses)
+                         shadow=args.shadow, first_guesses=args.first_guesses, request_len=args.request_len)
                 for seed, f in enumerate(factors)]  # fmt: skip
         mean = {key: sum(r[key] for r in runs) / len(runs) for key in ("speedup", "oracle_speedup")}
         shares = {name: sum(r["shares"][name] for r in runs) / len(runs) for name in runs[0]["shares"]}
         print(f"{factor:>7.2f} {mean['speedup']:>8.3f}x {mean['oracle_speedup']:>6.3f}x {shares['plain']:>6.1%} "
               f"{shares['1x7']:>6.1%} {shares['1x3']:>6.1%}")  # fmt: skip
         if args.json:
-            row = {"policy": args.policy, "shadow": args.shadow, "first_guesses": args.first_guesses, "tau": taus,
+            row = {"policy": args.policy, "shadow": args.shadow, "first_guesses": args.first_guesses,
+                   "request_len": args.request_len, "tau": taus,
                    "later_tau": later,
                    "accept_rate": accept_rates,
                    "plain_host_ms": args.plain_host_ms,

@@ -72,6 +72,14 @@ BOUND_NEWEST_STEPS = 8
 # D · P(first guess right) drafts, so over the last FIRST_GUESS_WINDOW scored positions that rate (Hoeffding's bound
 # at EXPLORE_STOP_RISK) bounds every chain without verifying any (`AdaptivePolicy.cannot_win`).
 FIRST_GUESS_WINDOW = 512
+# ... and only guesses scored within the last FIRST_GUESS_MAX_AGE steps (all buckets) count. Requests shorter than
+# the feature ring never fill it, so their guesses come only from the catch-ups of verify and shadow steps, which the
+# guesses themselves stop once they rule every chain out: an old window would keep them out for good, though the
+# drafts may have begun to pay (`bench/policy_sim.py --first-guesses --request-len 96`, acceptance 0 then 0.9 a depth:
+# 1.455x with a ring's catch-up every 128 steps, 0.999x with requests of 96 tokens and no expiry). Once the window
+# empties, the next exploration runs the chain again (in shadow, at the interval it had backed off to), and its
+# catch-up scores fresh guesses. As long as the longest exploration interval (MAX_EXPLORE_EVERY).
+FIRST_GUESS_MAX_AGE = 1024
 # ... taken by a catch-up of at most this many positions (rows × width: its logits over the draft's vocabulary are
 # this many rows); a larger one (a ring's catch-up at a large batch) takes none.
 FIRST_GUESS_MAX_POSITIONS = 1024
@@ -221,7 +229,7 @@ class AdaptivePolicy:
         self.recent_accepted: list[collections.deque] = [collections.deque() for _ in shapes]
         self.accepted_totals = [[0, 0, 0] for _ in shapes]  # per option: the sums of recent_accepted's three counts
         self.newest_accepted = [collections.deque(maxlen=BOUND_NEWEST_STEPS) for _ in shapes]  # the same, newest steps
-        # the draft's first guesses scored (`record_first_guesses`): (right, scored) per catch-up, their sums
+        # the draft's first guesses scored (`record_first_guesses`): (right, scored, `clock`) per catch-up, their sums
         self.first_guesses: collections.deque = collections.deque()
         self.first_guess_totals = [0, 0]
         self.forced_option: int | None = None  # tests: always this option (-1 plain), ignoring the cost model
@@ -391,23 +399,34 @@ class AdaptivePolicy:
         if scored <= 0:
             return
         before = self._guess_ruled_out(sure=False)
-        self.first_guesses.append((right, scored))
+        self.first_guesses.append((right, scored, self.clock()))
         totals = self.first_guess_totals
         totals[0] += right
         totals[1] += scored
         while totals[1] - self.first_guesses[0][1] >= FIRST_GUESS_WINDOW:
-            old_right, old_scored = self.first_guesses.popleft()
-            totals[0] -= old_right
-            totals[1] -= old_scored
+            self._drop_oldest_guesses()
         for bucket in {bucket for _, bucket in before - self._guess_ruled_out(sure=True)}:
             self.next_explore[bucket] = self.bucket_steps.get(bucket, 0)
             self.explore_every[bucket] = EXPLORE_EVERY
         self._fold_settled()
         self.plain_until.clear()  # the chains' bounds moved: weigh again
 
+    def _drop_oldest_guesses(self) -> None:
+        right, scored, _ = self.first_guesses.popleft()
+        self.first_guess_totals[0] -= right
+        self.first_guess_totals[1] -= scored
+
+    def clock(self) -> int:
+        """Steps chosen so far, every bucket's (a settled stretch's included): the first guesses' age."""
+        settled = self._settled
+        return sum(self.bucket_steps.values()) + (settled.taken if settled is not None else 0)
+
     def first_guess_bound(self, lower: bool = False) -> float | None:
         """An upper (or `lower`) bound, at confidence 1 − EXPLORE_STOP_RISK (Hoeffding), on the share of positions
-        whose first guess is right, from the scored window; None before any is scored."""
+        whose first guess is right, from the scored window less what is older than FIRST_GUESS_MAX_AGE steps; None
+        when that leaves none."""
+        while self.first_guesses and self.first_guesses[0][2] < self.clock() - FIRST_GUESS_MAX_AGE:
+            self._drop_oldest_guesses()
         right, scored = self.first_guess_totals
         if scored == 0:
             return None
@@ -439,23 +458,33 @@ class AdaptivePolicy:
 
     def shadows(self, option: int, bucket: int) -> bool:
         """Whether this step's choice of draft shape `option` may run in shadow (`SHADOW_MARGIN`): it is an exploration
-        begun while plain decoding was best, and the shape's estimated rate is below SHADOW_MARGIN of plain
-        decoding's. Its first measurement is always verified (a shadow step has no verify step to time)."""
+        begun while plain decoding was best, and the shape's rate is below SHADOW_MARGIN of plain decoding's even
+        taken at its best: the larger of its acceptance window's mean and its newest verify steps' (drafts that begin
+        to pay show there first) over its fastest recent step. A shadow step neither times the shape nor fills its
+        window much (one draft a sequence a step), so a shape that lost on a median taken in a slow stretch of the host,
+        or on a window of old drafts, is verified again rather than shadowed for good. Its first measurement is always
+        verified (a shadow step has no verify step to time)."""
         run = self.runs.get(bucket)
         if run is None or run.option != option or run.best_before != -1:
             return False
-        seconds = self.step_seconds
-        verify, plain = seconds.get((option, bucket)), seconds.get((-1, bucket))
-        if verify is None or plain is None:
+        recent, plain = self.recent_seconds.get((option, bucket)), self.step_seconds.get((-1, bucket))
+        if not recent or plain is None:
             return False
-        return self.tokens_per_step(option) / verify < SHADOW_MARGIN / plain
+        accepted = self.mean_accepted[option]
+        newest = self.newest_accepted[option]
+        if newest:
+            accepted = max(accepted or 0.0, sum(a for a, _, _ in newest) / sum(d for _, d, _ in newest))
+        tokens = 1.0 + (self.shapes[option].max_depth if accepted is None else accepted)
+        return tokens / min(recent) < SHADOW_MARGIN / plain
 
     def record_shadow_step(self, option: int, num_seqs: int) -> None:
-        """A step of a shadow exploration of `option` (`shadows`): counted as one of the run's timed steps, at the
-        shape's median step time (a shadow step times no verify step; its acceptance comes later, from the tokens
-        plain decoding emits: `record_acceptance`)."""
-        bucket = batch_bucket(num_seqs)
-        self.record_step(option, num_seqs, self.step_seconds[(option, bucket)])
+        """A step of a shadow exploration of `option` (`shadows`): counted as one of the run's timed steps, with no
+        time (a shadow step times no verify step; its acceptance comes later, from the tokens plain decoding emits:
+        `record_acceptance`)."""
+        self._fold_settled()
+        key = (option, batch_bucket(num_seqs))
+        self.num_timed[key] += 1
+        self.last_used[key] = self.bucket_steps.get(key[1], 0)
 
     def _start_run(self, bucket: int, option: int, step: int, until: int, best_before: int | None = None) -> int:
         self.runs[bucket] = _Run(option, until, step, best_before)

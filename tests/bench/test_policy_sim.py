@@ -132,3 +132,16 @@ def test_first_guesses_spare_explorations_of_drafts_that_lose_and_follow_drafts_
     turn, _ = simulate(tmp_path, "--accept-rate", "0,0.9")
     turn_guessed, _ = simulate(tmp_path, "--accept-rate", "0,0.9", "--first-guesses")
     assert turn_guessed["speedup"] >= turn["speedup"] - 0.01 and turn_guessed["shares"]["1x7"] > 0.3
+
+
+def test_first_guesses_with_requests_shorter_than_the_ring_still_follow_drafts_that_turn(tmp_path):
+    """`--request-len 96`: the draft catches up (and scores guesses) only at explorations, which the guesses stop once
+    they rule every chain out. The guesses expire (FIRST_GUESS_MAX_AGE) and a shape is shadowed only if it loses even
+    at its best, so drafts that start to pay halfway are still found (before either: 0.999x, never speculating again);
+    wrong drafts stay near plain decoding."""
+    turn, turn_noisy = simulate(tmp_path, "--steps", "12000", "--accept-rate", "0,0.9", "--shadow", "--first-guesses",
+                                "--request-len", "96")  # fmt: skip
+    assert turn["request_len"] == 96 and turn["speedup"] > 1.25 and turn_noisy["speedup"] > 1.2
+    assert turn["shares"]["1x7"] > 0.2
+    wrong, _ = simulate(tmp_path, "--accept-rate", "0", "--shadow", "--first-guesses", "--request-len", "96")
+    assert wrong["speedup"] > 0.99 and wrong["shares"]["plain"] > 0.99

@@ -23,6 +23,7 @@ from jetserve.engine.speculative import (
     ACCEPT_WINDOW_DRAFTS,
     EXPLORE_EVERY,
     EXPLORE_SAMPLES,
+    FIRST_GUESS_MAX_AGE,
     MAX_EXPLORE_EVERY,
     MAX_RUN_STEPS,
     MIN_SAMPLES,
@@ -1192,7 +1193,7 @@ def test_only_explorations_well_below_plain_decoding_run_in_shadow():
     """`AdaptivePolicy.shadows`: an exploration begun while plain decoding is best, of a shape whose estimate is below
     SHADOW_MARGIN of plain decoding's rate, may run in shadow; a bucket's first measurement, an exploration begun
     while a shape was best, and one of a shape near plain decoding's rate are verified. A shadow step counts as one
-    of the run's timed steps at the shape's median, so the run ends after EXPLORE_SAMPLES of them."""
+    of the run's timed steps with no time (the median is kept), so the run ends after EXPLORE_SAMPLES of them."""
     shapes = [DraftShape(topk=1, num_steps=3, num_draft_tokens=4)]
     first = AdaptivePolicy(shapes, adaptive=True)
     assert first.choose(1) == 0 and not first.shadows(0, 1)  # the first measurement: nothing timed yet
@@ -1218,6 +1219,58 @@ def test_only_explorations_well_below_plain_decoding_run_in_shadow():
     assert not explored(3.6, 2).shadows(0, 1) and 2 < 3.6 * SHADOW_MARGIN < 3
     a_shape_best = explored(1.5, 3)  # 4 tokens in 1.5 s: the shape is best and the exploration is of plain decoding
     assert a_shape_best.best(1) == 0 and not a_shape_best.shadows(-1, 1) and not a_shape_best.shadows(0, 1)
+
+
+def test_a_shape_that_lost_in_a_slow_stretch_or_on_old_drafts_is_verified_not_shadowed():
+    """`AdaptivePolicy.shadows` weighs a shape at its best: its fastest recent step, and its newest verify steps'
+    acceptance where that beats the window's. A shadow step never re-times a shape and adds one draft a sequence to
+    its window, so a shape that lost on a median taken in a slow stretch of the host, or on a window of old wrong
+    drafts, would otherwise be shadowed at every exploration while its drafts pay (`bench/policy_sim.py`: 1.09x where
+    1.32x was to be had, drafts turning from 0 to 0.9 a depth with a stalling host and requests of 96 tokens)."""
+    shapes = [DraftShape(topk=1, num_steps=3, num_draft_tokens=4)]
+
+    def explored(verify_seconds: list[float], accepted: list[int]) -> AdaptivePolicy:
+        policy = AdaptivePolicy(shapes, adaptive=True)
+        measure(policy, 1, {-1: 1.0})
+        for seconds in verify_seconds:
+            policy.record_step(0, 1, seconds)
+        for a in accepted:
+            policy.record_acceptance(0, [a])
+        policy.measured.add(1)
+        policy.next_explore[1] = 0  # an exploration is due
+        assert policy.best(1) == -1 and policy.choose(1) == 0
+        return policy
+
+    assert explored([3.0] * TIME_SAMPLES, [0]).shadows(0, 1)  # 1 token in 3 s at best
+    slow_stretch = explored([1.2] * 4 + [3.0] * 5, [0])  # median 3 s, yet 1 token in 1.2 s: 0.83 a second
+    assert slow_stretch.step_seconds[(0, 1)] == 3.0 and not slow_stretch.shadows(0, 1)
+    assert explored([2.0] * 4 + [3.0] * 5, [0]).shadows(0, 1)  # 0.5 a second at best: below SHADOW_MARGIN
+    old_drafts = explored([3.0] * TIME_SAMPLES, [0] * (ACCEPT_WINDOW_DRAFTS - 8) + [3] * 8)  # the newest 8 accept all
+    assert old_drafts.mean_accepted[0] < 0.5 and not old_drafts.shadows(0, 1)  # 4 tokens in 3 s at best
+
+
+def test_first_guesses_older_than_their_age_rule_nothing_out():
+    """The first-guess window counts catch-ups of the last FIRST_GUESS_MAX_AGE steps (every bucket's, a settled
+    stretch's included): with requests shorter than the feature ring, guesses come only from explorations' catch-ups,
+    which the guesses stop once they rule every chain out, so an old window would rule chains out for good."""
+    policy = AdaptivePolicy([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+    measure(policy, 1, {0: 3.0, -1: 1.0})
+    policy.record_acceptance(0, [0])
+    policy.measured.add(1)
+    policy.next_explore[1], policy.bucket_steps[1], policy.bucket_steps[8] = 10**6, 100, 50
+    policy.record_first_guesses(0, 256)
+    policy.bucket_steps[1] += 500
+    policy.record_first_guesses(0, 256)  # at clock 650: the window holds both
+    assert policy.clock() == 650 and policy.cannot_win(0, 1) and policy.first_guess_totals == [0, 512]
+    policy.bucket_steps[8] += FIRST_GUESS_MAX_AGE - 500  # clock 150 + FIRST_GUESS_MAX_AGE: the first is just in
+    assert policy.cannot_win(0, 1) and policy.first_guess_totals == [0, 512]
+    while policy.choose(1) == -1 and policy._settled is None:
+        pass
+    assert policy._settled is not None  # a settled stretch: its steps count before they are folded
+    policy._settled.taken += 1  # one step more: the first catch-up is too old
+    assert policy.first_guess_bound() is not None and policy.first_guess_totals == [0, 256]
+    policy._settled.taken += 500  # the second too: nothing rules the chain out
+    assert policy.first_guess_bound() is None and not policy.cannot_win(0, 1)
 
 
 def test_accepted_along_follows_the_emitted_tokens_down_the_tree():
@@ -1323,7 +1376,7 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     ones nothing; each step's catch-up of one position replays the short flush graph (SHORT_FLUSH_WIDTH positions a
     row, not a ring's); every plain step after the first is launched ahead and explores, and none of them is timed as
     plain decoding (a shadow step also drafts, and its host work falls in the step before it), while each counts as
-    one of the run's timed steps at the shape's median."""
+    one of the run's timed steps with no time (the shape's step times are its verify steps' alone)."""
     chosen = [prompts[i] for i in (1, 3, 4)]
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, forced=forced, **CHAIN)
     for k, i in enumerate((1, 3, 4)):
@@ -1334,6 +1387,8 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
         measure(policy, bucket, {0: 1.0, 1: 1.0, -1: 1e-3})
     policy.choose = _script([-1] + [0] * 1000)  # the first decode step plain, from the host; the rest a shape
     policy.shadows = _script([True])
+    counted = sum(policy.num_timed[(0, b)] for b in (1, 2, 4))
+    times = {b: list(policy.recent_seconds[(0, b)]) for b in (1, 2, 4)}
     timed = []
     record_step = policy.record_step
     policy.record_step = lambda option, num_seqs, seconds: (timed.append(option), record_step(option, num_seqs,
@@ -1351,7 +1406,9 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     lengths = {str(k): len(prompts[i]) + MAX_TOKENS for k, i in enumerate((1, 3, 4))}
     for (request, root), (value, _) in shadowed.items():
         assert value == (min(3, lengths[request] - 1 - root) if forced == "right" else 0)
-    assert all(shadow_steps) and -1 not in timed and timed.count(0) == len(shadow_steps)
+    assert all(shadow_steps) and -1 not in timed and 0 not in timed
+    assert sum(policy.num_timed[(0, b)] for b in (1, 2, 4)) - counted == len(shadow_steps)
+    assert {b: list(policy.recent_seconds[(0, b)]) for b in (1, 2, 4)} == times
     assert len(widths) >= len(shadow_steps) - 1 and set(widths) == {SHORT_FLUSH_WIDTH}  # the first: none to catch up
     assert engine.spec.graphs.flush_widths == [SHORT_FLUSH_WIDTH, engine.spec.ring]
 

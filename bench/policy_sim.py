@@ -295,8 +295,12 @@ def main() -> None:
                    "that also draft, unverified (the engine's shadow explorations; see `simulate`)")  # fmt: skip
     p.add_argument("--first-guesses", action="store_true", help="the draft's first guesses scored every RING steps "
                    "(`AdaptivePolicy.record_first_guesses`; see `simulate`)")  # fmt: skip
-    p.add_argument("--request-len", type=int, help="with --first-guesses: requests of this many tokens, whose "
-                   "catch-ups alone score guesses (see `simulate`); default: a ring's catch-up every RING steps")
+    p.add_argument(
+        "--request-len",
+        type=int,
+        help="with --first-guesses: requests of this many tokens, whose "
+        "catch-ups alone score guesses (see `simulate`); default: a ring's catch-up every RING steps",
+    )
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     taus = [float(t) for t in args.tau.split(",")]

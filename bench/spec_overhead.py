@@ -20,6 +20,10 @@ in the same waves as the engine's policy. Each run's row counts its verify steps
 explorations scored (`SpecDecoder.shadow_draft`); a line after the table (and the JSON) gives each run's first guesses
 right and scored (`FirstGuesses`: what lets the policy rule chains out without verifying them).
 
+A line after the table gives each run's median over the waves of its first step (the wave's prefill, where its
+prompts fit one step) and of its later steps' median: where a run's time goes (session 56: the draft-kept engine's
+cost split between the prompt's draft catch-up and the decode steps' feature store).
+
 `--forced-acceptance wrong` (the default) makes every draft wrong: the overhead of speculating when it never pays;
 `right` drafts each request's plain greedy continuation; `none` keeps the draft's own drafts. There is no roofline:
 the figure is a ratio of two host-bound runs of the same work. One JSON line per run with --json, each wave's seconds
@@ -48,16 +52,23 @@ from jetserve.sampling_params import SamplingParams
 BOOTSTRAP_SAMPLES = 2000
 
 
-def run_wave(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[float, dict]:
-    """Run `prompts` to their end at once; returns (wall seconds, request id → output tokens)."""
+def run_wave(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str
+) -> tuple[float, dict, list[float]]:
+    """Run `prompts` to their end at once; returns (wall seconds, request id → output tokens, each step's seconds: the
+    first the prefill's where the wave's prompts fit one step)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     outputs: dict[str, list[int]] = {}
-    start = time.perf_counter()
+    steps = []
+    start = last = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return time.perf_counter() - start, outputs
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+    return last - start, outputs, steps
 
 
 def bootstrap_interval(plain: list[float], spec: list[float], seed: int = 0) -> tuple[float, float]:
@@ -106,7 +117,7 @@ def main() -> None:
     prompts = bench_prompts(engine, "mtbench", b, 2048, 0, b * args.waves)[: b * args.waves]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     engine.set_speculation(False)
-    _, reference = run_wave(engine, prompts, params, "reference")  # warms up; the drafts' continuations
+    _, reference, _ = run_wave(engine, prompts, params, "reference")  # warms up; the drafts' continuations
     continuations = [reference[f"reference-{i}"] for i in range(len(prompts))]
     modes = ("plain", *policies)
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -114,6 +125,8 @@ def main() -> None:
     shadow_drafts = {mode: 0 for mode in modes}  # drafts its shadow explorations scored (`SpecDecoder.shadow_draft`)
     guesses = {mode: [0, 0] for mode in modes}  # the draft's first guesses right, scored (`FirstGuesses`)
     agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
+    first_steps = {mode: [] for mode in modes}  # each wave's first step (its prefill), seconds
+    later_steps = {mode: [] for mode in modes}  # each wave's later steps' median, seconds
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
         for mode in modes if w % 2 == 0 else modes[::-1]:
@@ -127,9 +140,11 @@ def main() -> None:
             stats = engine.spec_stats
             before = (stats.num_verify_steps, stats.num_shadow_drafts, stats.num_first_guesses_right,
                       stats.num_first_guesses)  # fmt: skip
-            wall, outputs = run_wave(engine, wave, params, tag)
+            wall, outputs, steps = run_wave(engine, wave, params, tag)
             stats = engine.spec_stats
             seconds[mode].append(wall)
+            first_steps[mode].append(steps[0])
+            later_steps[mode].append(statistics.median(steps[1:]) if len(steps) > 1 else 0.0)
             verify_steps[mode].append(stats.num_verify_steps - before[0])
             shadow_drafts[mode] += stats.num_shadow_drafts - before[1]
             guesses[mode][0] += stats.num_first_guesses_right - before[2]
@@ -143,6 +158,8 @@ def main() -> None:
         "wave_verify_steps": verify_steps["spec"],
         "verify_steps": sum(verify_steps["spec"]), "shadow_drafts": shadow_drafts["spec"],
         "first_guesses_right_scored": guesses["spec"],
+        "first_step_median_s": {mode: statistics.median(v) for mode, v in first_steps.items()},
+        "later_step_median_s": {mode: statistics.median(v) for mode, v in later_steps.items()},
         "requests_equal_to_plain": agree["spec"],
         "requests": len(prompts),
     }  # fmt: skip
@@ -167,6 +184,12 @@ def main() -> None:
               f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {sum(verify_steps[mode]):>12} "
               f"{shadow_drafts[mode]:>13} {same:>13}")  # fmt: skip
     print("first guesses right / scored: " + ", ".join(f"{m} {r}/{n}" for m, (r, n) in guesses.items() if m != "plain"))
+    print(
+        "median µs, a wave's first step (its prefill) / its later steps' median: "
+        + ", ".join(
+            f"{m} {row['first_step_median_s'][m] * 1e6:.1f} / {row['later_step_median_s'][m] * 1e6:.1f}" for m in modes
+        )
+    )
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -29,6 +29,9 @@ def test_a_row_and_a_json_line(tmp_path, run_bench):
     assert row["requests_equal_to_plain"] == 2  # fp32 on the CPU: exact whatever the drafts
     assert "95% interval" in run.stdout and "shadow drafts" in run.stdout and row["shadow_drafts"] >= 0
     assert "first guesses right / scored" in run.stdout and len(row["first_guesses_right_scored"]) == 2
+    first, later = row["first_step_median_s"], row["later_step_median_s"]
+    assert set(first) == set(later) == {"plain", "spec"} and all(v > 0 for v in [*first.values(), *later.values()])
+    assert max(first.values()) < row["plain_s"] + row["spec_s"] and "a wave's first step" in run.stdout
 
 
 def test_bad_counts_are_a_one_line_error(run_bench):

@@ -303,6 +303,8 @@ def main() -> None:
     )
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
+    if args.request_len is not None and (args.request_len < 1 or not args.first_guesses):
+        p.error("--request-len: a positive count of tokens, with --first-guesses")
     taus = [float(t) for t in args.tau.split(",")]
     later = [float(t) for t in args.later_tau.split(",")] if args.later_tau else None
     accept_rates = None

@@ -145,3 +145,11 @@ def test_first_guesses_with_requests_shorter_than_the_ring_still_follow_drafts_t
     assert turn["shares"]["1x7"] > 0.2
     wrong, _ = simulate(tmp_path, "--accept-rate", "0", "--shadow", "--first-guesses", "--request-len", "96")
     assert wrong["speedup"] > 0.99 and wrong["shares"]["plain"] > 0.99
+
+
+@pytest.mark.parametrize("args", [["--request-len", "0", "--first-guesses"], ["--request-len", "96"]])
+def test_request_len_without_guesses_or_positive_count_is_a_one_line_error(args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "bench/policy_sim.py", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and "--request-len" in run.stderr.strip().splitlines()[-1]

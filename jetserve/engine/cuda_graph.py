@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 # Speculative steps are captured up to this batch size (a verify step's logits are T_d rows per sequence, and the
 # stochastic acceptance keeps a few [N, T_d, V] tensors: at larger batches they run eagerly).
 SPEC_GRAPH_MAX_BATCH = 64
-# A catch-up of at most this many positions a row replays a flush graph of rows this wide instead of a ring's: a
-# shadow exploration (`SpecDecoder.shadow_draft`) catches the draft up on one position a step, and a ring-wide row
-# (128 positions by default) took a whole draft forward of 128 tokens a row for it (session 55, H100, the default pair
-# at batch 1: shadow steps cost ~0.7 ms each over a plain step, where a verify step costs ~0.3).
+# A catch-up of at most this many positions a row replays a flush graph of rows this wide instead of a ring's (128
+# positions by default): a shadow exploration (`SpecDecoder.shadow_draft`) catches the draft up on one position a
+# step. Built in session 55 on the guess that a ring-wide row cost a whole 128-token draft forward; measured in session
+# 56 (H100, the default pair, `bench/spec_graphs.py`): a catch-up graph is launch-bound, ~90 µs at batch 1 at either
+# width, and the short rows save ~37 µs only at batch 8 (73–75 against 111–112 µs).
 SHORT_FLUSH_WIDTH = 4
 logger = logging.getLogger(__name__)
 

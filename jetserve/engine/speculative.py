@@ -425,7 +425,8 @@ class AdaptivePolicy:
         """An upper (or `lower`) bound, at confidence 1 − EXPLORE_STOP_RISK (Hoeffding), on the share of positions
         whose first guess is right, from the scored window less what is older than FIRST_GUESS_MAX_AGE steps; None
         when that leaves none."""
-        while self.first_guesses and self.first_guesses[0][2] < self.clock() - FIRST_GUESS_MAX_AGE:
+        oldest = self.clock() - FIRST_GUESS_MAX_AGE
+        while self.first_guesses and self.first_guesses[0][2] < oldest:
             self._drop_oldest_guesses()
         right, scored = self.first_guess_totals
         if scored == 0:

@@ -22,7 +22,9 @@ right and scored (`FirstGuesses`: what lets the policy rule chains out without v
 
 A line after the table gives each run's median over the waves of its first step (the wave's prefill, where its
 prompts fit one step) and of its later steps' median: where a run's time goes (session 56: the draft-kept engine's
-cost split between the prompt's draft catch-up and the decode steps' feature store).
+cost split between the prompt's draft catch-up and the decode steps' feature store). Then each run's engine calls by
+kind (`step_kind`: prefill, verify, shadow, catch-up, plain), their count and total time, over all waves: where the
+speculating engine's time beyond the draft-kept engine's goes (its explorations, or slower plain steps).
 
 `--forced-acceptance wrong` (the default) makes every draft wrong: the overhead of speculating when it never pays;
 `right` drafts each request's plain greedy continuation; `none` keeps the draft's own drafts. There is no roofline:
@@ -46,29 +48,48 @@ from jetserve.assets import resolve_checkpoint
 from jetserve.engine.bench_offline import bench_prompts
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import AdaptivePolicy
+from jetserve.engine.speculative import AdaptivePolicy, SpecStats
 from jetserve.sampling_params import SamplingParams
 
 BOOTSTRAP_SAMPLES = 2000
 
 
+# What an engine call did (`step_kind`), in the order a call that did several is counted under
+STEP_KINDS = ("prefill", "verify", "shadow", "catch-up", "plain")
+
+
+def step_kind(stats: SpecStats, before: tuple[int, int, int], first_token: bool) -> str:
+    """The kind of the engine call that moved the counters from `before` (verify steps resolved, shadow steps and
+    catch-up forwards launched): a prefill where a request got its first token, else a verify step resolved, a shadow
+    draft launched, a ring's catch-up run, or plain decoding alone."""
+    if first_token:
+        return "prefill"
+    after = (stats.num_verify_steps, stats.num_shadow_steps, stats.num_catch_ups)
+    return next((kind for kind, b, a in zip(STEP_KINDS[1:4], before, after, strict=True) if a > b), "plain")
+
+
 def run_wave(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str
-) -> tuple[float, dict, list[float]]:
-    """Run `prompts` to their end at once; returns (wall seconds, request id → output tokens, each step's seconds: the
-    first the prefill's where the wave's prompts fit one step)."""
+) -> tuple[float, dict, list[float], list[str]]:
+    """Run `prompts` to their end at once; returns (wall seconds, request id → output tokens, each engine call's
+    seconds — the first the prefill's where the wave's prompts fit one step — and each one's `step_kind`)."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     outputs: dict[str, list[int]] = {}
-    steps = []
+    steps, kinds = [], []
     start = last = time.perf_counter()
     while engine.has_unfinished_requests():
+        stats = engine.spec_stats
+        before = (stats.num_verify_steps, stats.num_shadow_steps, stats.num_catch_ups)
+        first_token = False
         for out in engine.step():
+            first_token |= out.request_id not in outputs
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         now = time.perf_counter()
         steps.append(now - last)
+        kinds.append(step_kind(engine.spec_stats, before, first_token))
         last = now
-    return last - start, outputs, steps
+    return last - start, outputs, steps, kinds
 
 
 def bootstrap_interval(plain: list[float], spec: list[float], seed: int = 0) -> tuple[float, float]:
@@ -117,7 +138,7 @@ def main() -> None:
     prompts = bench_prompts(engine, "mtbench", b, 2048, 0, b * args.waves)[: b * args.waves]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     engine.set_speculation(False)
-    _, reference, _ = run_wave(engine, prompts, params, "reference")  # warms up; the drafts' continuations
+    _, reference, _, _ = run_wave(engine, prompts, params, "reference")  # warms up; the drafts' continuations
     continuations = [reference[f"reference-{i}"] for i in range(len(prompts))]
     modes = ("plain", *policies)
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -127,6 +148,7 @@ def main() -> None:
     agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
     first_steps = {mode: [] for mode in modes}  # each wave's first step (its prefill), seconds
     later_steps = {mode: [] for mode in modes}  # each wave's later steps' median, seconds
+    by_kind = {mode: {kind: [0, 0.0] for kind in STEP_KINDS} for mode in modes}  # engine calls, seconds, by kind
     for w in range(args.waves):
         wave = prompts[w * b : (w + 1) * b]
         for mode in modes if w % 2 == 0 else modes[::-1]:
@@ -140,7 +162,10 @@ def main() -> None:
             stats = engine.spec_stats
             before = (stats.num_verify_steps, stats.num_shadow_drafts, stats.num_first_guesses_right,
                       stats.num_first_guesses)  # fmt: skip
-            wall, outputs, steps = run_wave(engine, wave, params, tag)
+            wall, outputs, steps, kinds = run_wave(engine, wave, params, tag)
+            for kind, step in zip(kinds, steps, strict=True):
+                by_kind[mode][kind][0] += 1
+                by_kind[mode][kind][1] += step
             stats = engine.spec_stats
             seconds[mode].append(wall)
             first_steps[mode].append(steps[0])
@@ -160,6 +185,7 @@ def main() -> None:
         "first_guesses_right_scored": guesses["spec"],
         "first_step_median_s": {mode: statistics.median(v) for mode, v in first_steps.items()},
         "later_step_median_s": {mode: statistics.median(v) for mode, v in later_steps.items()},
+        "steps_by_kind": by_kind,
         "requests_equal_to_plain": agree["spec"],
         "requests": len(prompts),
     }  # fmt: skip
@@ -190,6 +216,9 @@ def main() -> None:
             f"{m} {row['first_step_median_s'][m] * 1e6:.1f} / {row['later_step_median_s'][m] * 1e6:.1f}" for m in modes
         )
     )
+    print("engine calls by kind, count / total ms (a call that launched the next step and resolved one):")
+    for mode in modes:
+        print(f"  {mode:>5}: " + ", ".join(f"{kind} {n} / {t * 1e3:.1f}" for kind, (n, t) in by_kind[mode].items()))
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -622,6 +622,10 @@ class SpecStats:
     # the drafts they would have had accepted (not in τ or the per-depth rates: nothing was verified)
     num_shadow_drafts: int = 0
     num_shadow_accepted: int = 0
+    num_shadow_steps: int = 0  # plain steps launched with a shadow draft
+    # Catch-up forwards over positions plain steps left to the draft (`SpecDecoder.flush`: a ring about to wrap, or
+    # before a verify step, a shadow draft or a prefill chunk)
+    num_catch_ups: int = 0
     # The draft's first guesses scored against the tokens plain decoding emitted (`FirstGuesses`), and those right
     num_first_guesses: int = 0
     num_first_guesses_right: int = 0
@@ -673,6 +677,8 @@ class SpecStats:
             "verify_ms_per_step": round(self.verify_ms_per_step, 4),
             "num_shadow_drafts": self.num_shadow_drafts,
             "num_shadow_accepted": self.num_shadow_accepted,
+            "num_shadow_steps": self.num_shadow_steps,
+            "num_catch_ups": self.num_catch_ups,
             "num_first_guesses": self.num_first_guesses,
             "num_first_guesses_right": self.num_first_guesses_right,
         }
@@ -996,6 +1002,7 @@ class SpecDecoder:
         nodes = torch.stack([tree.tokens, tree.parents.long()])  # [2, N, T_d]
         self.shadows.append(ShadowDraft(shape, seqs, positions_host.copy(), start_host_copy(nodes)))
         self.policy.record_shadow_step(shape, len(seqs))
+        self.stats.num_shadow_steps += 1
         self._untimed_steps = 2
         return True
 
@@ -1068,6 +1075,7 @@ class SpecDecoder:
         lens = [end - self.draft_len[slot] for _, slot, end in todo]
         assert max(lens) <= self.ring, "a sequence missed more positions than its ring holds"
         num_seqs = len(todo)
+        self.stats.num_catch_ups += 1
         width = self.graphs.flush_width(num_seqs, max(lens)) if self.graphs is not None else None
         graphs = self.graphs if width is not None else None
         width = width or max(lens)

@@ -32,6 +32,22 @@ def test_a_row_and_a_json_line(tmp_path, run_bench):
     first, later = row["first_step_median_s"], row["later_step_median_s"]
     assert set(first) == set(later) == {"plain", "spec"} and all(v > 0 for v in [*first.values(), *later.values()])
     assert max(first.values()) < row["plain_s"] + row["spec_s"] and "a wave's first step" in run.stdout
+    kinds = row["steps_by_kind"]
+    assert set(kinds) == {"plain", "spec"} and "engine calls by kind" in run.stdout
+    assert kinds["plain"]["prefill"][0] == 2 and kinds["plain"]["verify"][0] == kinds["plain"]["shadow"][0] == 0
+    assert sum(n for n, _ in kinds["spec"].values()) >= 2 * 3  # a prefill and two decode calls a wave at least
+    assert kinds["spec"]["verify"][0] <= row["verify_steps"]
+    assert abs(sum(t for n, t in kinds["plain"].values()) - row["plain_s"]) < 1e-6
+
+
+def test_a_step_kind_is_what_its_counters_moved():
+    overhead = load_bench("spec_overhead")
+    stats = overhead.SpecStats(num_verify_steps=3, num_shadow_steps=1, num_catch_ups=5)
+    assert overhead.step_kind(stats, (3, 1, 5), first_token=False) == "plain"
+    assert overhead.step_kind(stats, (2, 1, 4), first_token=False) == "verify"  # a verify step catches up too
+    assert overhead.step_kind(stats, (3, 0, 4), first_token=False) == "shadow"
+    assert overhead.step_kind(stats, (3, 1, 4), first_token=False) == "catch-up"
+    assert overhead.step_kind(stats, (2, 1, 5), first_token=True) == "prefill"
 
 
 def test_bad_counts_are_a_one_line_error(run_bench):

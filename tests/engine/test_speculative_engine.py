@@ -1601,6 +1601,26 @@ def test_first_guesses_are_scored_against_the_token_two_positions_on(tiny_checkp
     assert stats.num_first_guesses_right >= stats.num_first_guesses - lasts[0] > 0
 
 
+def test_a_deferred_prompts_guesses_are_not_scored(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):
+    """A prompt of 17 tokens within its 32-position ring is not caught up at its prefill (`before_prefill`): the
+    ring's catch-up before it wraps takes positions from 0, prompt included, and scores only the guesses of tokens
+    the model emitted — from position 15 (its guess is token 17, the first emitted) on."""
+    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **CHAIN)
+    spec = engine.spec
+    spec.policy.forced_option = -1  # plain decoding throughout: the ring's catch-up alone
+    rows = []  # (first, end) of each catch-up row
+    flush_rows_of = spec._flush_rows_of
+    spec._flush_rows_of = lambda todo: (rows.extend((spec.draft_len[slot], end) for _, slot, end in todo),
+                                        flush_rows_of(todo))[1]  # fmt: skip
+    prompt = prompts[2]
+    assert len(prompt) == 17 and spec.ring == 32
+    assert run(engine, [prompt], greedy(max_tokens=MAX_TOKENS + 8)) == [continuations[2][: MAX_TOKENS + 8]]
+    stats = engine.spec_stats
+    assert stats.num_prefills_deferred == 1 and stats.num_catch_ups == 1
+    ((first, end),) = rows
+    assert first == 0 and end >= spec.ring - 1 and stats.num_first_guesses == end - (len(prompt) - 2)
+
+
 @pytest.mark.parametrize("pattern", ["alternating", "plain", "runs"])
 def test_only_steady_steps_are_timed(tiny_checkpoint, tiny_model, draft_dir, prompts, pattern):
     """With overlap scheduling, only steps launched ahead of the one in flight are timed for the policy: a plain or

@@ -72,8 +72,9 @@ BOUND_NEWEST_STEPS = 8
 # D · P(first guess right) drafts, so over the last FIRST_GUESS_WINDOW scored positions that rate (Hoeffding's bound
 # at EXPLORE_STOP_RISK) bounds every chain without verifying any (`AdaptivePolicy.cannot_win`).
 FIRST_GUESS_WINDOW = 512
-# ... and only guesses scored within the last FIRST_GUESS_MAX_AGE steps (all buckets) count. Requests shorter than
-# the feature ring never fill it, so their guesses come only from the catch-ups of verify and shadow steps, which the
+# ... and only guesses scored within the last FIRST_GUESS_MAX_AGE steps (all buckets) count. A request that never
+# fills its feature ring — prompt and output shorter than the ring together, or a prompt longer than the ring (caught
+# up at its prefill) and an output shorter — scores guesses only in the catch-ups of verify and shadow steps, which the
 # guesses themselves stop once they rule every chain out: an old window would keep them out for good, though the
 # drafts may have begun to pay (`bench/policy_sim.py --first-guesses --request-len 96`, acceptance 0 then 0.9 a depth:
 # 1.455x with a ring's catch-up every 128 steps, 0.999x with requests of 96 tokens and no expiry). Once the window

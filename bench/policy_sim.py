@@ -21,7 +21,7 @@ One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
        [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
        [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|VerifiedExplorationPolicy|module:Class]
-       [--shadow] [--first-guesses [--request-len N [--prompt-len P]]]
+       [--shadow] [--first-guesses [--request-len N]]
        [--json FILE]
 """
 
@@ -145,7 +145,6 @@ def simulate(
     taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
     plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
     seed: int = 0, shadow: bool = False, first_guesses: bool = False, request_len: int | None = None,
-    prompt_len: int = 0,
 ) -> dict:  # fmt: skip
     """One run: the policy chooses every step of the host's `factors`; returns the speed-up over plain decoding, the
     oracle's, and each option's share of the steps. `plain`: (GPU, host) ms of a plain step; `later_taus`: the
@@ -175,9 +174,7 @@ def simulate(
     the engine's catch-ups bring them in requests of that many tokens: a verify or shadow step catches up (and
     scores) the positions its request's plain steps left since the last catch-up, a ring's worth of them is caught
     up when it fills, and a new request starts with none (its prompt's catch-up scores nothing); so requests shorter
-    than RING score guesses only through explorations. With `prompt_len` ≤ RING its prompt's positions start in the
-    ring instead (the engine's deferred prefill, `SpecDecoder.before_prefill`): the ring fills that much sooner, and
-    the first catch-up takes them unscored (guesses of prompt tokens are not scored)."""
+    than RING score guesses only through explorations."""
     policy = policy_cls([shape for shape, _, _ in SHAPES], adaptive=True)
     options = [*range(len(SHAPES)), -1]
     depths = [shape.max_depth for shape, _, _ in SHAPES]
@@ -196,8 +193,6 @@ def simulate(
     drafted = [0.0] * len(SHAPES)  # per option: accepted drafts owed so far (τ - 1 a step), of which...
     handed = [0] * len(SHAPES)  # ... whole ones reported to the policy
     missed = produced = 0  # `request_len`: positions since the draft's last catch-up, tokens of the request so far
-    deferred = prompt_len if prompt_len <= RING else 0  # prompt positions in the ring, not yet caught up
-    prompt_in_ring = deferred
     for k, host in enumerate(factors):
         if k == len(factors) // 2:
             if accept_rates is not None:
@@ -207,10 +202,8 @@ def simulate(
         if request_len is None:
             scored = RING if first_guesses and k % RING == RING - 1 else 0
         else:
-            catch_up = chosen[k] >= 0 or deferred + missed >= RING  # it takes the prompt's positions too, unscored
-            scored = missed if first_guesses and catch_up else 0
-            if catch_up:
-                missed = deferred = 0
+            scored = missed if first_guesses and (chosen[k] >= 0 or missed >= RING) else 0
+            missed -= scored
         if scored:
             rate = accept_rates[k >= len(factors) // 2] if accept_rates is not None else first_guess_rate(rates[2])
             policy.record_first_guesses(sum(rng.random() < rate for _ in range(scored)), scored)
@@ -243,9 +236,8 @@ def simulate(
         if request_len is not None:
             missed += 1 if option < 0 or shadowed else 0  # a verify step's draft catches up on what it accepted
             produced += step_tokens
-            if produced >= request_len:  # the next request: its prompt caught up, or in the ring
+            if produced >= request_len:  # the next request: its prompt's catch-up leaves nothing missed
                 missed = produced = 0
-                deferred = prompt_in_ring
         plain_seconds += step_ms(-1, host, True, plain) * step_tokens  # plain decoding's time for the same tokens
         best = min(options, key=lambda o: step_ms(o, host, True, plain) / tau(o))
         oracle_seconds += step_ms(best, host, True, plain) / tau(best) * step_tokens
@@ -309,14 +301,10 @@ def main() -> None:
         help="with --first-guesses: requests of this many tokens, whose "
         "catch-ups alone score guesses (see `simulate`); default: a ring's catch-up every RING steps",
     )
-    p.add_argument("--prompt-len", type=int, default=0, help="with --request-len: each request's prompt, in the "
-                   "ring until its first catch-up where it fits (the engine's deferred prefill)")  # fmt: skip
     p.add_argument("--json", help="append one JSON line per scenario to this file")
     args = p.parse_args()
     if args.request_len is not None and (args.request_len < 1 or not args.first_guesses):
         p.error("--request-len: a positive count of tokens, with --first-guesses")
-    if args.prompt_len < 0 or (args.prompt_len and args.request_len is None):
-        p.error("--prompt-len: a count of tokens, with --request-len")
     taus = [float(t) for t in args.tau.split(",")]
     later = [float(t) for t in args.later_tau.split(",")] if args.later_tau else None
     accept_rates = None
@@ -332,8 +320,7 @@ def main() -> None:
                    for seed in range(args.seeds)]  # fmt: skip
         plain = (PLAIN[0], args.plain_host_ms)
         runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed,
-                         shadow=args.shadow, first_guesses=args.first_guesses, request_len=args.request_len,
-                         prompt_len=args.prompt_len)
+                         shadow=args.shadow, first_guesses=args.first_guesses, request_len=args.request_len)
                 for seed, f in enumerate(factors)]  # fmt: skip
         mean = {key: sum(r[key] for r in runs) / len(runs) for key in ("speedup", "oracle_speedup")}
         shares = {name: sum(r["shares"][name] for r in runs) / len(runs) for name in runs[0]["shares"]}
@@ -341,7 +328,7 @@ def main() -> None:
               f"{shares['1x7']:>6.1%} {shares['1x3']:>6.1%}")  # fmt: skip
         if args.json:
             row = {"policy": args.policy, "shadow": args.shadow, "first_guesses": args.first_guesses,
-                   "request_len": args.request_len, "prompt_len": args.prompt_len, "tau": taus,
+                   "request_len": args.request_len, "tau": taus,
                    "later_tau": later,
                    "accept_rate": accept_rates,
                    "plain_host_ms": args.plain_host_ms,

@@ -11,17 +11,14 @@ bootstrap interval of the total ratio over the waves. The policy instance persis
 `--draft-kept` adds a third run of each wave: speculation on, every step plain (the policy forced to plain decoding), so
 that what keeping the draft caught up costs (its feature ring's catch-ups, its prefill catch-up, the plain steps'
 host work) is told apart from what the policy's verify steps cost. The waves then run plain, speculating, draft-kept,
-and the next wave in the reverse order. `--prefill-catch-up` adds one more: the draft kept, with every PREFILL step
-catching it up (`SpecDecoder.defer_prefill` off: the engine before session 57, whose prefill steps ran the draft over
-any prompt; since then a step whose prompts fit the feature rings stores their features there instead).
+and the next wave in the reverse order.
 
 `--candidate NAME` adds a run of each wave speculating under a candidate policy (a class `bench/policy_sim.py` names,
 e.g. `FreshExplorationPolicy`, or `VerifiedExplorationPolicy`: the engine's without shadow explorations; or
 `module:Class`), its own instance kept across waves as the engine's is: a GPU A/B of a policy the simulator favours,
 in the same waves as the engine's policy. Each run's row counts its verify steps and the drafts its shadow
 explorations scored (`SpecDecoder.shadow_draft`); a line after the table (and the JSON) gives each run's first guesses
-right and scored (`FirstGuesses`: what lets the policy rule chains out without verifying them), and its prefill steps
-that stored their features in the feature rings instead of catching the draft up (`SpecDecoder.before_prefill`).
+right and scored (`FirstGuesses`: what lets the policy rule chains out without verifying them).
 
 A line after the table gives each run's median over the waves of its first step (the wave's prefill, where its
 prompts fit one step) and of its later steps' median: where a run's time goes (session 56: the draft-kept engine's
@@ -34,8 +31,7 @@ speculating engine's time beyond the draft-kept engine's goes (its explorations,
 the figure is a ratio of two host-bound runs of the same work. One JSON line per run with --json, each wave's seconds
 in each run and the speculating run's verify steps per wave included.
 Usage: python bench/spec_overhead.py [--model default --draft default] [--batch-size 1] [--waves 24]
-       [--output-len 128] [--forced-acceptance wrong|right|none] [--draft-kept] [--prefill-catch-up]
-       [--candidate NAME] [--json FILE]
+       [--output-len 128] [--forced-acceptance wrong|right|none] [--draft-kept] [--candidate NAME] [--json FILE]
 """
 
 from __future__ import annotations
@@ -117,8 +113,6 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--forced-acceptance", choices=("wrong", "right", "none"), default="wrong")
     p.add_argument("--draft-kept", action="store_true", help="also run each wave speculating with every step plain")
-    p.add_argument("--prefill-catch-up", action="store_true",
-                   help="also run each wave with the draft kept and caught up at every prefill step")  # fmt: skip
     p.add_argument("--candidate", help="also run each wave speculating under this policy (bench/policy_sim.py's names)")
     p.add_argument("--json", help="append one JSON line to this file")
     args = p.parse_args()
@@ -140,9 +134,6 @@ def main() -> None:
     if args.draft_kept:  # its own instance: the engine's policy times only its own waves
         policies["kept"] = AdaptivePolicy(engine.spec.shapes, adaptive=True)
         policies["kept"].forced_option = -1
-    if args.prefill_catch_up:  # likewise, and its prefill steps catch the draft up (`defer_prefill` off)
-        policies["caught"] = AdaptivePolicy(engine.spec.shapes, adaptive=True)
-        policies["caught"].forced_option = -1
     b = args.batch_size
     prompts = bench_prompts(engine, "mtbench", b, 2048, 0, b * args.waves)[: b * args.waves]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
@@ -154,7 +145,6 @@ def main() -> None:
     verify_steps: dict[str, list[int]] = {mode: [] for mode in modes}  # each run's verify steps, wave by wave
     shadow_drafts = {mode: 0 for mode in modes}  # drafts its shadow explorations scored (`SpecDecoder.shadow_draft`)
     guesses = {mode: [0, 0] for mode in modes}  # the draft's first guesses right, scored (`FirstGuesses`)
-    deferred = {mode: 0 for mode in modes}  # prefill steps that stored their features (`SpecDecoder.before_prefill`)
     agree = {mode: 0 for mode in modes}  # requests whose tokens equal plain decoding's
     first_steps = {mode: [] for mode in modes}  # each wave's first step (its prefill), seconds
     later_steps = {mode: [] for mode in modes}  # each wave's later steps' median, seconds
@@ -164,7 +154,6 @@ def main() -> None:
         for mode in modes if w % 2 == 0 else modes[::-1]:
             engine.set_speculation(mode != "plain")
             engine.spec.policy = policies.get(mode, policies["spec"])
-            engine.spec.defer_prefill = mode != "caught"
             tag = f"{mode}{w}"
             if mode != "plain" and forced is not None:  # made before the wave: not what speculating costs
                 for i, prompt in enumerate(wave):
@@ -172,7 +161,7 @@ def main() -> None:
                     engine.spec.forced_continuations[f"{tag}-{i}"] = row
             stats = engine.spec_stats
             before = (stats.num_verify_steps, stats.num_shadow_drafts, stats.num_first_guesses_right,
-                      stats.num_first_guesses, stats.num_prefills_deferred)  # fmt: skip
+                      stats.num_first_guesses)  # fmt: skip
             wall, outputs, steps, kinds = run_wave(engine, wave, params, tag)
             for kind, step in zip(kinds, steps, strict=True):
                 by_kind[mode][kind][0] += 1
@@ -185,16 +174,15 @@ def main() -> None:
             shadow_drafts[mode] += stats.num_shadow_drafts - before[1]
             guesses[mode][0] += stats.num_first_guesses_right - before[2]
             guesses[mode][1] += stats.num_first_guesses - before[3]
-            deferred[mode] += stats.num_prefills_deferred - before[4]
             agree[mode] += sum(outputs[f"{tag}-{i}"] == continuations[w * b + i] for i in range(len(wave)))
-    engine.spec.policy, engine.spec.defer_prefill = policies["spec"], True
+    engine.spec.policy = policies["spec"]
     plain = seconds["plain"]
     row = {
         "model": args.model, "draft": args.draft, "batch_size": b, "waves": args.waves, "output_len": args.output_len,
         "forced_acceptance": args.forced_acceptance, "plain_s": sum(plain), "wave_seconds": seconds,
         "wave_verify_steps": verify_steps["spec"],
         "verify_steps": sum(verify_steps["spec"]), "shadow_drafts": shadow_drafts["spec"],
-        "first_guesses_right_scored": guesses["spec"], "prefills_deferred": deferred,
+        "first_guesses_right_scored": guesses["spec"],
         "first_step_median_s": {mode: statistics.median(v) for mode, v in first_steps.items()},
         "later_step_median_s": {mode: statistics.median(v) for mode, v in later_steps.items()},
         "steps_by_kind": by_kind,
@@ -203,8 +191,7 @@ def main() -> None:
     }  # fmt: skip
     print(f"{'batch':>5} {'waves':>5} {'run':>11} {'plain s':>8} {'run s':>8} {'speed-up':>9} {'median wave':>11} "
           f"{'95% interval':>15} {'verify steps':>12} {'shadow drafts':>13} {'same as plain':>13}")  # fmt: skip
-    runs_named = (("spec", "speculating"), ("cand", "candidate"), ("kept", "draft kept"), ("caught", "caught up"))
-    for mode, name in runs_named:
+    for mode, name in (("spec", "speculating"), ("cand", "candidate"), ("kept", "draft kept")):
         if mode not in seconds:
             continue
         runs = seconds[mode]
@@ -223,8 +210,6 @@ def main() -> None:
               f"{median:>10.3f}x {f'{low:.3f}-{high:.3f}x':>15} {sum(verify_steps[mode]):>12} "
               f"{shadow_drafts[mode]:>13} {same:>13}")  # fmt: skip
     print("first guesses right / scored: " + ", ".join(f"{m} {r}/{n}" for m, (r, n) in guesses.items() if m != "plain"))
-    print("prefill steps that stored their features instead of catching the draft up: "
-          + ", ".join(f"{m} {n}" for m, n in deferred.items() if m != "plain"))  # fmt: skip
     print(
         "median µs, a wave's first step (its prefill) / its later steps' median: "
         + ", ".join(

@@ -222,10 +222,8 @@ class ModelRunner:
         tokens = self.sampler(logits, fb.state_indices[: len(batch.seqs)], counters, slots)  # [N]
         copy = start_host_copy(tokens)  # before the draft's catch-up: the tokens are read without waiting for it
         if self.spec is not None:
-            if self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens):
-                graphs.catch_up(bucket, tokens)
-            else:
-                graphs.store_features(bucket)
+            self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
+            graphs.catch_up(bucket, tokens)
         out = StepOutput(copy.read())
         if any(s.sampling_params.logprobs is not None for s in batch.seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, batch.seqs)
@@ -343,11 +341,8 @@ class ModelRunner:
         """The draft takes the chunk's positions [s, e) with tokens [s + 1, e + 1): the chunk's own tokens shifted by
         one, then token e — the one just sampled where the chunk ends its sequence, else the next prompt token.
         Positions before s that plain decode steps left to the draft are caught up on first. The draft's positions
-        are the target's, and its K/V pages the `attn` layers' (`DraftKV`): its forward batch is the step's own. A step
-        whose chunks fit the feature rings stores its features there instead (`SpecDecoder.before_prefill`)."""
-        if not self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens):
-            self.spec.store_prefill_features(fb.positions, inputs.owner, inputs.slots, self.model.aux_hidden_states)
-            return
+        are the target's, and its K/V pages the `attn` layers' (`DraftKV`): its forward batch is the step's own."""
+        self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
         next_ids = torch.where(inputs.next_ids < 0, tokens[inputs.owner], inputs.next_ids)  # [T]
         # A VLM prompt's image placeholders: the draft sees the image rows the target saw (token t + 1 at position t).
         draft = self.spec.drafters[0].draft

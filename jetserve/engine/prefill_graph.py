@@ -154,14 +154,6 @@ class PrefillGraphs:
         else:
             self._catch_up(bucket)
 
-    def store_features(self, bucket: int) -> None:
-        """A deferred catch-up (`SpecDecoder.before_prefill`): the step just replayed stores its features in the
-        feature rings, its padding tokens in slot 0's (one launch, not captured: a graph's worth of host time is not
-        saved on one kernel)."""
-        held = self.held[bucket]
-        inputs = held.draft_inputs
-        self.runner.spec.store_prefill_features(held.fb.positions, inputs.owner, inputs.slots, held.aux_hidden_states)
-
     def _staged(self, host: np.ndarray) -> torch.Tensor:
         rows = torch.from_numpy(host)
         return rows.pin_memory() if self.is_graphed else rows

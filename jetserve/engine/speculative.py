@@ -72,9 +72,8 @@ BOUND_NEWEST_STEPS = 8
 # D · P(first guess right) drafts, so over the last FIRST_GUESS_WINDOW scored positions that rate (Hoeffding's bound
 # at EXPLORE_STOP_RISK) bounds every chain without verifying any (`AdaptivePolicy.cannot_win`).
 FIRST_GUESS_WINDOW = 512
-# ... and only guesses scored within the last FIRST_GUESS_MAX_AGE steps (all buckets) count. A request that never
-# fills its feature ring — prompt and output shorter than the ring together, or a prompt longer than the ring (caught
-# up at its prefill) and an output shorter — scores guesses only in the catch-ups of verify and shadow steps, which the
+# ... and only guesses scored within the last FIRST_GUESS_MAX_AGE steps (all buckets) count. Requests shorter than
+# the feature ring never fill it, so their guesses come only from the catch-ups of verify and shadow steps, which the
 # guesses themselves stop once they rule every chain out: an old window would keep them out for good, though the
 # drafts may have begun to pay (`bench/policy_sim.py --first-guesses --request-len 96`, acceptance 0 then 0.9 a depth:
 # 1.455x with a ring's catch-up every 128 steps, 0.999x with requests of 96 tokens and no expiry). Once the window
@@ -627,7 +626,6 @@ class SpecStats:
     # Catch-up forwards over positions plain steps left to the draft (`SpecDecoder.flush`: a ring about to wrap, or
     # before a verify step, a shadow draft or a prefill chunk)
     num_catch_ups: int = 0
-    num_prefills_deferred: int = 0  # PREFILL steps whose features went to the rings (`SpecDecoder.before_prefill`)
     # The draft's first guesses scored against the tokens plain decoding emitted (`FirstGuesses`), and those right
     num_first_guesses: int = 0
     num_first_guesses_right: int = 0
@@ -681,7 +679,6 @@ class SpecStats:
             "num_shadow_accepted": self.num_shadow_accepted,
             "num_shadow_steps": self.num_shadow_steps,
             "num_catch_ups": self.num_catch_ups,
-            "num_prefills_deferred": self.num_prefills_deferred,
             "num_first_guesses": self.num_first_guesses,
             "num_first_guesses_right": self.num_first_guesses_right,
         }
@@ -802,8 +799,7 @@ def accepted_along(tokens: list[int], parents: list[int], emitted: list[int]) ->
 @dataclass
 class FirstGuesses:
     """A catch-up's first guesses (`SpecDecoder.flush`), waiting for the tokens they guess: the guess at position t
-    is the draft's top token for position t + 2 (t + 1 is the catch-up's own input there). Only guesses of tokens
-    the model emitted are scored: a deferred prefill's catch-up also guesses the prompt's."""
+    is the draft's top token for position t + 2 (t + 1 is the catch-up's own input there)."""
 
     rows: list[tuple[Sequence, int, int]]  # per row: the sequence, and the positions [start, end) caught up on
     guesses: HostCopy  # [N, C] int64, being copied to the host
@@ -819,8 +815,7 @@ class FirstGuesses:
         right = scored = 0
         for (seq, start, end), row in zip(self.rows, table, strict=True):
             tokens = seq.token_ids
-            # a guess of a prompt token (a deferred prefill's positions) says nothing of drafting the model's own
-            for t in range(max(start, seq.num_prompt_tokens - 2), min(end, len(tokens) - 2)):
+            for t in range(start, min(end, len(tokens) - 2)):
                 scored += 1
                 right += row[t - start] == tokens[t + 2]
         return {None: right, "wrong": 0}.get(forced, scored), scored
@@ -838,9 +833,7 @@ class SpecDecoder:
     Draft position t holds (token t + 1, target feature at t). The draft catches up on the positions a target step
     cached: `catch_up` after PREFILL (chunk [s, e) gives tokens [s + 1, e + 1), the last one the token just sampled
     where the chunk ends the sequence), `extend_after_verify` inside VERIFY. A plain DECODE step does not run the
-    draft, nor does a PREFILL step whose chunks fit the rings below (`before_prefill`: a prompt shorter than a ring
-    costs the draft nothing until it is needed, or ever if the request ends first): `store_features` (inside the
-    decode CUDA graph, or eagerly; `store_prefill_features`) keeps their target features in `missed_features`
+    draft: `store_features` (inside the decode CUDA graph, or eagerly) keeps its target features in `missed_features`
     (a ring of `ring` positions per slot: `EngineConfig.spec_feature_ring`), and `flush` runs one draft forward over
     every position a sequence missed (its tokens are on the host) before the draft is next needed: a VERIFY step, a
     PREFILL chunk of the sequence, or a decode step that would wrap the ring onto an unseen position (`before_decode`;
@@ -914,9 +907,6 @@ class SpecDecoder:
         # Engine steps not to time: a shadow step (its draft and catch-up are not plain decoding's) and the one whose
         # call launched it (the host launched them during that step's time)
         self._untimed_steps = 0
-        # A PREFILL step whose chunks fit the rings stores its features there instead of catching the draft up
-        # (`before_prefill`); benchmarks turn it off to compare
-        self.defer_prefill = True
 
     # ---- bookkeeping ----
 
@@ -1127,38 +1117,15 @@ class SpecDecoder:
         hidden = self.drafters[0].extend_rows(ids, features, starts, kv, valid, guesses)  # [N, H]
         self.last_hidden[slots] = torch.where((valid > 0)[:, None], hidden, self.last_hidden[slots])
 
-    def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> bool:
-        """Before a PREFILL step of chunks [s, s + n): whether the draft catches up on it (`catch_up`). Not where
-        every chunk's end is within its ring of what its draft holds (`defer_prefill`: the step stores the chunks'
-        features in the rings, `store_prefill_features`, and a later catch-up takes them with the positions decode
-        steps add, as it takes theirs) and no prompt holds images (the rows a catch-up builds from token ids alone
-        would miss them). Otherwise it flushes what each sequence missed before s, and the draft then holds [0, s + n).
-        A draft shape the policy chose ahead (`plan_decode_ahead`) was for a decode step that this PREFILL step (an
-        admission after the drain) replaced: it is dropped, not applied to a later batch."""
+    def before_prefill(self, seqs: list[Sequence], slots_host: np.ndarray, starts: list[int], lens: list[int]) -> None:
+        """Before `catch_up` on PREFILL chunks [s, s + n): flush what each sequence missed before s; afterwards the
+        draft holds [0, s + n). A draft shape the policy chose ahead (`plan_decode_ahead`) was for a decode step that
+        this PREFILL step (an admission after the drain) replaced: it is dropped, not applied to a later batch."""
         self._next_option = None
-        ends = np.asarray(starts, dtype=np.int64) + np.asarray(lens, dtype=np.int64)  # [N]
-        if (
-            self.defer_prefill
-            and (ends - self.draft_len[slots_host] <= self.ring).all()
-            and all(s.images is None for s in seqs)
-        ):
-            self.stats.num_prefills_deferred += 1
-            return False
         self.flush(seqs, slots_host, starts)
         for slot, start, n in zip(slots_host.tolist(), starts, lens, strict=True):
             assert self.draft_len[slot] == start, "the draft cache must reach a prefill chunk's start"
             self.draft_len[slot] = start + n
-        return True
-
-    def store_prefill_features(
-        self,
-        positions: torch.Tensor,  # [T] int64: each token's position
-        owner: torch.Tensor,  # [T] int64: each token's batch row
-        slots: torch.Tensor,  # [N] int64: each row's state slot (0 for padding rows)
-        aux_hidden_states: list[torch.Tensor],  # the target's features at those positions, one [T, H_t] per layer
-    ) -> None:
-        """A deferred PREFILL step (`before_prefill`): its features go to the rings, as a decode step's do."""
-        store_features(self.missed_features, aux_hidden_states, slots[owner], positions)  # [T] rows
 
     def catch_up(
         self,

@@ -126,57 +126,6 @@ def test_padded_prefill_catches_the_draft_up_as_the_eager_step(
         assert [o.output_token_ids for o in padded.generate(prompts[:3], greedy())] == greedy_alone[:3]
 
 
-def _counted(fn, counts: dict[str, int], name: str):
-    """`fn`, counting its calls in counts[name]."""
-
-    def counting(*args):
-        counts[name] += 1
-        return fn(*args)
-
-    return counting
-
-
-def test_a_padded_step_stores_its_features_where_the_draft_takes_them(
-    tiny_checkpoint, tiny_model, tiny_tokenizer, prompts, greedy_alone, tmp_path
-):
-    """A padded PREFILL step whose chunks fit the draft's feature rings (32 positions here) stores the bucket's
-    features (`PrefillGraphs.store_features`: real rows by their slots, the padding sequence into slot 0) instead of
-    replaying its catch-up graph; the draft, caught up later with the decode steps' positions, drafts the same trees
-    as when every padded step catches it up, and greedy output is plain greedy."""
-    draft = str(make_draft_checkpoint(tiny_checkpoint, tmp_path / "draft", seed=2, draft_vocab_size=200))
-    args = dict(draft=draft, spec_topk=1, spec_steps=3, spec_adaptive=False, spec_feature_ring=32,
-                max_num_batched_tokens=40, max_num_seqs=2)  # fmt: skip
-    trees, replays = {}, {}
-    for defer in (True, False):
-        llm = padded_llm(tiny_checkpoint, tiny_model, tiny_tokenizer, **args)
-        spec, graphs = llm.engine.spec, llm.engine.runner.prefill_graphs
-        spec.defer_prefill = defer
-        log = trees[defer] = []
-        draft_tree = spec.draft_tree
-
-        def logged(shape, roots, prefix, slots, out=None, draft_tree=draft_tree, log=log):
-            tree = draft_tree(shape, roots, prefix, slots, out)
-            log.append((prefix.tolist(), tree.tokens.tolist()))
-            return tree
-
-        counts = replays[defer] = {"catch_up": 0, "store_features": 0}
-        for name in counts:
-            setattr(graphs, name, _counted(getattr(graphs, name), counts, name))
-        spec.draft_tree = logged
-        for i, prompt in enumerate(prompts):
-            llm.engine.add_request(str(i), prompt, greedy())
-        final, step = {}, 0
-        while llm.engine.has_unfinished_requests():
-            spec.policy.forced_option = -1 if step < 14 else 0  # plain first: what the rings hold grows
-            final |= {o.request_id: o.output_token_ids for o in llm.engine.step() if o.finished}
-            step += 1
-        assert [final[str(i)] for i in range(len(prompts))] == greedy_alone and llm.engine.is_idle_and_clean()
-        assert sum(llm.replayed.values()) >= len(prompts) / 2
-    assert replays[True]["store_features"] > 0 and replays[False]["store_features"] == 0
-    assert replays[True]["catch_up"] < replays[False]["catch_up"]  # the 33- and 70-token prompts' steps still do
-    assert len(trees[True]) > 0 and trees[True] == trees[False]
-
-
 def test_which_steps_replay_a_bucket(tiny_checkpoint, tiny_model, tiny_tokenizer, prompts):
     llm = padded_llm(tiny_checkpoint, tiny_model, tiny_tokenizer)
     engine = llm.engine

@@ -233,7 +233,6 @@ def test_state_after_speculative_rounds_equals_prefill(
     for seq in seqs:
         cached = seq.token_ids[: seq.num_computed_tokens]
         fresh = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **shape)
-        fresh.spec.defer_prefill = False  # its prefill catches the draft up: `last_hidden` is the draft's state
         fresh.add_request("x", cached, greedy(max_tokens=1))
         fresh.step()
         assert fresh.is_idle_and_clean()  # its slot (1) is free again but still holds the state
@@ -243,43 +242,6 @@ def test_state_after_speculative_rounds_equals_prefill(
     for seq in seqs:
         engine.abort_request(seq.request_id)
     assert engine.is_idle_and_clean()
-
-
-@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 7}], ids=["whole", "chunked-7"])
-def test_a_deferred_prefill_leaves_the_draft_where_its_catch_up_does(
-    tiny_checkpoint, tiny_model, draft_dir, prompts, continuations, engine_args
-):
-    """A PREFILL step whose chunks fit the feature rings (32 positions here) stores its features there instead of
-    catching the draft up (`SpecDecoder.before_prefill`); the draft takes them with the positions the decode steps
-    add. Plain steps, then verify steps of the draft's own chains: the draft drafts the same trees as an engine whose
-    prefill caught it up (the draft states agree), and greedy output is plain greedy. A step is deferred whole or not
-    at all: in one step (all prompts but the one of 33 tokens, past its ring) it is; in chunks of 7 the chunks up to
-    position 32 are, and the chunk that crosses it catches the draft up on what the ring held and on itself."""
-    chosen = [i for i, p in enumerate(prompts) if len(p) <= 32 or engine_args]
-    trees, stats = {}, {}
-    for defer in (True, False):
-        engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN, **engine_args)
-        spec = engine.spec
-        spec.defer_prefill = defer
-        trees[defer] = []
-        draft_tree = spec.draft_tree
-
-        def logged(shape, roots, prefix, slots, out=None, draft_tree=draft_tree, log=trees[defer]):
-            tree = draft_tree(shape, roots, prefix, slots, out)
-            log.append((prefix.tolist(), tree.tokens.tolist()))
-            return tree
-
-        spec.draft_tree = logged
-
-        def before_step(step, spec=spec):
-            spec.policy.forced_option = -1 if step < 12 else 0  # plain first: what the rings hold grows
-
-        outs = run(engine, [prompts[i] for i in chosen], greedy(), before_step)
-        assert outs == [continuations[i][:MAX_TOKENS] for i in chosen]
-        stats[defer] = engine.spec_stats
-    assert stats[True].num_prefills_deferred > 0 and stats[False].num_prefills_deferred == 0
-    assert stats[True].num_verify_steps == stats[False].num_verify_steps > 0
-    assert len(trees[True]) == len(trees[False]) > 0 and trees[True] == trees[False]
 
 
 @pytest.mark.parametrize("depth", [None, 1], ids=["whole", "depth-1"])
@@ -1113,7 +1075,6 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
     assert engine.is_idle_and_clean()
     for cached, jet, hidden, draft_kv in snapshots:
         fresh = make_engine(tiny_checkpoint, tiny_model, draft_dir, spec_adaptive=False, **CHAIN)
-        fresh.spec.defer_prefill = False  # its prefill catches the draft up: its draft state is then in place
         fresh.add_request("x", cached, greedy(max_tokens=1))
         fresh.step()
         for a, b in zip(jet, _jet_state(fresh, 1), strict=True):
@@ -1125,8 +1086,7 @@ def test_plain_stretch_then_speculation_is_exact(tiny_checkpoint, tiny_model, dr
 
 def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny_model, draft_dir, prompts):
     """With measured times that make plain decoding the best option, DECODE steps run no draft forward (PREFILL
-    chunks do, unless the step fits the feature rings: `SpecDecoder.before_prefill`); the periodic exploration of a
-    shape catches the draft up and stays exact."""
+    chunks still do); the periodic exploration of a shape catches the draft up and stays exact."""
     engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, max_num_batched_tokens=16, **TREE)
     policy = engine.spec.policy
     for bucket in (1, 2, 4, 8):  # plain decoding best; the shapes' estimates near enough to it to be verified
@@ -1170,9 +1130,7 @@ def test_plain_steps_of_the_adaptive_policy_skip_the_draft(tiny_checkpoint, tiny
     assert outs == _plain_outputs(tiny_checkpoint, tiny_model, draft_dir, chosen, params)
     decode = [n for phase, n in phases if phase is Phase.DECODE]
     assert len(decode) > 10 and all(n == 0 for n in decode)
-    prefill = [n for phase, n in phases if phase is Phase.PREFILL]
-    deferred = engine.spec_stats.num_prefills_deferred
-    assert deferred > 0 and sum(n > 0 for n in prefill) == len(prefill) - deferred
+    assert all(n > 0 for phase, n in phases if phase is Phase.PREFILL)
     assert engine.num_verify_steps >= 1 and any(phase is Phase.VERIFY for phase, _ in phases)
 
 
@@ -1601,26 +1559,6 @@ def test_first_guesses_are_scored_against_the_token_two_positions_on(tiny_checkp
     assert stats.num_first_guesses_right >= stats.num_first_guesses - lasts[0] > 0
 
 
-def test_a_deferred_prompts_guesses_are_not_scored(tiny_checkpoint, tiny_model, draft_dir, prompts, continuations):
-    """A prompt of 17 tokens within its 32-position ring is not caught up at its prefill (`before_prefill`): the
-    ring's catch-up before it wraps takes positions from 0, prompt included, and scores only the guesses of tokens
-    the model emitted — from position 15 (its guess is token 17, the first emitted) on."""
-    engine = make_engine(tiny_checkpoint, tiny_model, draft_dir, **CHAIN)
-    spec = engine.spec
-    spec.policy.forced_option = -1  # plain decoding throughout: the ring's catch-up alone
-    rows = []  # (first, end) of each catch-up row
-    flush_rows_of = spec._flush_rows_of
-    spec._flush_rows_of = lambda todo: (rows.extend((spec.draft_len[slot], end) for _, slot, end in todo),
-                                        flush_rows_of(todo))[1]  # fmt: skip
-    prompt = prompts[2]
-    assert len(prompt) == 17 and spec.ring == 32
-    assert run(engine, [prompt], greedy(max_tokens=MAX_TOKENS + 8)) == [continuations[2][: MAX_TOKENS + 8]]
-    stats = engine.spec_stats
-    assert stats.num_prefills_deferred == 1 and stats.num_catch_ups == 1
-    ((first, end),) = rows
-    assert first == 0 and end >= spec.ring - 1 and stats.num_first_guesses == end - (len(prompt) - 2)
-
-
 @pytest.mark.parametrize("pattern", ["alternating", "plain", "runs"])
 def test_only_steady_steps_are_timed(tiny_checkpoint, tiny_model, draft_dir, prompts, pattern):
     """With overlap scheduling, only steps launched ahead of the one in flight are timed for the policy: a plain or
@@ -1649,10 +1587,8 @@ def test_only_steady_steps_are_timed(tiny_checkpoint, tiny_model, draft_dir, pro
     ahead = engine.spec_stats.num_verify_steps_ahead
     assert engine.num_verify_steps == len(caught_up) + ahead
     if pattern == "alternating":  # every step follows one of the other kind: none runs ahead, none is timed
-        # The first verify step follows the prefill, which stored its features in the ring (`before_prefill`): it
-        # catches the draft up too.
-        assert engine.spec_stats.num_prefills_deferred == 1
-        assert len(caught_up) >= 5 and all(caught_up)
+        # The first verify step follows the prefill, which caught the draft up.
+        assert len(caught_up) >= 5 and caught_up == [False] + [True] * (len(caught_up) - 1)
         assert ahead == 0 and timed == []
     elif pattern == "plain":
         assert timed.count(-1) >= 30 and caught_up == []

@@ -299,56 +299,6 @@ def test_gpu_plain_stretches_with_catch_ups_launched_ahead_are_exact():
     assert engine.spec_stats.mean_acceptance_length > 4.0
 
 
-def _draft_state(engine: LLMEngine, seq) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """The draft's state for `seq`: the positions it holds, its output there [H] and its K/V [2, n, HK, Dh]."""
-    spec, page_size = engine.spec, engine.runner.page_size
-    n = int(spec.draft_len[seq.slot])
-    positions = torch.arange(n, device=spec.k_cache.device)
-    flat = engine.runner.block_table[seq.slot, positions // page_size].long() * page_size + positions % page_size
-    size = spec.k_cache.shape[0] * page_size
-    kv = torch.stack([c.view(size, *c.shape[2:])[flat] for c in (spec.k_cache, spec.v_cache)])
-    return n, spec.last_hidden[seq.slot].clone(), kv
-
-
-@torch.inference_mode()
-def test_gpu_a_deferred_prefill_leaves_the_draft_where_its_catch_up_does(
-    tiny_checkpoint, gpu_model, draft_dir, prompts
-):
-    """Through the graphs (a prefill graph, decode graphs, the flush and speculative graphs; fp32): an engine whose
-    prefill step stores its features in the feature rings (`SpecDecoder.before_prefill`: prompts of 1–17 tokens in one
-    step) holds, after plain steps and the verify step that first catches its draft up, the draft state — positions,
-    output, K/V — of an engine whose prefill step caught the draft up; then a step with a prompt of 300 tokens (past a
-    ring) is caught up in both."""
-    states, deferred = {}, {}
-    for defer in (True, False):
-        engine = make_engine(tiny_checkpoint, gpu_model, draft=draft_dir, spec_adaptive=False,
-                             overlap_scheduling=False, **CHAIN)  # fmt: skip
-        spec = engine.spec
-        assert engine.runner.prefill_graphs is not None and spec.graphs is not None
-        spec.defer_prefill = defer
-        for i in (0, 1, 2, 6):
-            engine.add_request(str(i), prompts[i], greedy())
-        spec.policy.forced_option = -1
-        for _ in range(6):  # the prefill, then plain steps
-            engine.step()
-        spec.policy.forced_option = 0
-        engine.step()  # a verify step: the draft catches up first
-        assert engine.num_verify_steps == 1
-        states[defer] = {s.request_id: _draft_state(engine, s) for s in engine.scheduler.running}
-        engine.add_request("long", prompts[4], greedy())
-        spec.policy.forced_option = -1
-        while engine.has_unfinished_requests():
-            engine.step()
-        deferred[defer] = spec.stats.num_prefills_deferred
-    assert deferred == {True: 1, False: 0}  # the 300-token prompt's step is caught up
-    assert states[True].keys() == states[False].keys() and len(states[True]) == 4
-    for request, (n, hidden, kv) in states[True].items():
-        want_n, want_hidden, want_kv = states[False][request]
-        assert n == want_n > 0
-        torch.testing.assert_close(hidden, want_hidden, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(kv, want_kv, rtol=2e-3, atol=2e-3)
-
-
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     """Greedy token agreement of two runs: each sequence agrees up to its first difference, which counts as one
     disagreement (after it the two follow different texts); returns (agreeing / compared, differences)."""

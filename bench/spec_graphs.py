@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,6 +36,7 @@ from jetserve.assets import resolve_checkpoint
 from jetserve.engine.bench_offline import bench_prompts, measure_copy_bandwidth
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
+from jetserve.engine.speculative import flush_block_views
 from jetserve.sampling_params import SamplingParams
 
 
@@ -138,13 +140,15 @@ def _catch_up_body(engine: LLMEngine, batch_size: int, width: int, valid: int) -
     catch-up is one position. It rewrites the draft's K/V at the rows' last cached positions, which no replay reads."""
     spec = engine.spec
     seqs = list(engine.scheduler.running)[:batch_size]
-    device = engine.runner.device
-    ids = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)  # [N, C]
-    starts = torch.tensor([max(0, s.num_computed_tokens - width) for s in seqs], dtype=torch.int64, device=device)
-    counts = torch.full((len(seqs),), valid, dtype=torch.int64, device=device)
-    slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device)
-    run = spec.graphs.flush if spec.graphs is not None else spec.flush_rows
-    return lambda: run(ids, starts, counts, slots)
+    num_rows = spec.graphs.bucket(len(seqs)) if spec.graphs is not None else len(seqs)
+    block = np.zeros(num_rows * (width + 3), dtype=np.int64)  # the host rows, padded to the bucket: ids stay 0
+    _, starts, counts, slots = flush_block_views(block, num_rows, width)
+    starts[: len(seqs)] = [max(0, s.num_computed_tokens - width) for s in seqs]
+    counts[: len(seqs)] = valid
+    slots[: len(seqs)] = [s.slot for s in seqs]
+    if spec.graphs is not None:
+        return lambda: spec.graphs.flush(block, width)
+    return lambda: spec.flush_rows(*flush_block_views(engine.runner.uploads.upload(block), num_rows, width))
 
 
 def _measure(

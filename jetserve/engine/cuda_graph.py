@@ -15,7 +15,7 @@ import torch
 
 from jetserve import envs
 from jetserve.engine import graph_split
-from jetserve.engine.speculative import takes_first_guesses
+from jetserve.engine.speculative import flush_block_views, takes_first_guesses
 from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree, chain_buffers
 
@@ -222,12 +222,13 @@ class SpecGraphRunner:
             # A chain is drafted into its static tree in place (`chain_buffers`); a tree is copied in.
             self.trees.append(chain_buffers(B, T, device) if shape.topk == 1 else _static_tree(B, T, device))
             self.results.append(torch.zeros(B, T + 2, dtype=torch.int64, device=device))  # [B, T_d + 2]
-        # The catch-up (`SpecDecoder.flush_rows`): rows of `spec.ring` tokens (or the first SHORT_FLUSH_WIDTH of
-        # them), their start, valid count and slot.
+        # The catch-up (`SpecDecoder.flush_rows`) per captured (bucket B, width C): rows of `spec.ring` tokens (or
+        # the first SHORT_FLUSH_WIDTH of them), their start, valid count and slot, in one block that one copy from
+        # the host loads whole (`flush_block_views`); and the rows' first guesses out.
         self.flush_widths = sorted({min(SHORT_FLUSH_WIDTH, spec.ring), spec.ring})
-        self.flush_ids = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]
-        self.flush_guesses = torch.zeros(B, spec.ring, dtype=torch.int64, device=device)  # [B, C]: first guesses out
-        self.flush_rows = torch.zeros(3, B, dtype=torch.int64, device=device)  # [3, B]: start, valid, slot
+        flushes = [(b, w) for b in self.batch_sizes for w in self.flush_widths if self.captures_flush(b, w)]
+        self.flush_blocks = {(b, w): torch.zeros(b * (w + 3), dtype=torch.int64, device=device) for b, w in flushes}
+        self.flush_guesses = {(b, w): torch.zeros(b, w, dtype=torch.int64, device=device) for b, w in flushes}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = self.decode_graphs.pool
         self.ahead: tuple[int, np.ndarray] | None = None  # (shape, inputs [3, N]) of the trees drafted ahead
@@ -241,7 +242,7 @@ class SpecGraphRunner:
         captured for their bucket that holds them (`captures_flush`); None where none is."""
         if not self.fits(num_seqs):
             return None
-        B = self._bucket(num_seqs)
+        B = self.bucket(num_seqs)
         return next((w for w in self.flush_widths if longest <= w and self.captures_flush(B, w)), None)
 
     def captures_flush(self, B: int, width: int | None = None) -> bool:
@@ -249,7 +250,7 @@ class SpecGraphRunner:
         the catch-up's token limit (`SpecDecoder.max_flush_tokens`)."""
         return B * (width or self.spec.ring) <= self.spec.max_flush_tokens
 
-    def _bucket(self, num_seqs: int) -> int:
+    def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
     # ---- the captured bodies ----
@@ -269,9 +270,8 @@ class SpecGraphRunner:
         self.results[shape][:B].copy_(result)
 
     def _flush(self, B: int, width: int) -> None:
-        starts, valid, slots = self.flush_rows[:, :B]
-        guesses = self.flush_guesses[:B, :width] if takes_first_guesses(B, width) else None
-        self.spec.flush_rows(self.flush_ids[:B, :width], starts, valid, slots, guesses)
+        guesses = self.flush_guesses[B, width] if takes_first_guesses(B, width) else None
+        self.spec.flush_rows(*flush_block_views(self.flush_blocks[B, width], B, width), guesses)
 
     def steps(self) -> list[tuple[tuple, Callable[[], None]]]:
         """The (graph key, captured body) of every speculative graph, largest bucket first."""
@@ -300,7 +300,7 @@ class SpecGraphRunner:
     def _load(self, inputs: torch.Tensor) -> int:
         """Copy the rows' [3, N] (roots, cached prefix, slots) into the static inputs; returns the bucket."""
         N = inputs.shape[1]
-        B = self._bucket(N)
+        B = self.bucket(N)
         self.inputs[:, :N].copy_(inputs)
         if B > N:
             self._pad(N, B)
@@ -308,22 +308,15 @@ class SpecGraphRunner:
 
     # ---- replay ----
 
-    def flush(
-        self, ids: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The draft's catch-up of N rows (ids [N, C] for a captured width C (`flush_width`), starts / valid / slots
-        [N] int64). Returns the rows' first guesses [N, C] (a view of the graph's static buffer, valid until its next
-        replay), or None where its graph takes none."""
-        N, width = ids.shape
-        B = self._bucket(N)
-        self.flush_ids[:N, :width].copy_(ids)
-        for buffer, rows in zip(self.flush_rows, (starts, valid, slots), strict=True):
-            buffer[:N].copy_(rows)
-        if B > N:
-            self.flush_ids[N:B, :width].zero_()
-            self.flush_rows[:, N:B].zero_()
+    def flush(self, block: np.ndarray, width: int) -> torch.Tensor | None:
+        """The draft's catch-up of a bucket's B rows, `block` [B * (C + 3)] int64 on the host (`flush_block_views`:
+        ids [B, C] for a captured width C (`flush_width`), starts / valid / slots [B]; padding rows zero), loaded by
+        one copy. Returns the rows' first guesses [B, C] (the graph's static buffer, valid until its next replay), or
+        None where its graph takes none."""
+        B = block.size // (width + 3)
+        self.spec.runner.uploads.copy_into(self.flush_blocks[B, width], block)
         self.graphs[("flush", B, width)].replay()
-        return self.flush_guesses[:N, :width] if takes_first_guesses(B, width) else None
+        return self.flush_guesses[B, width] if takes_first_guesses(B, width) else None
 
     def draft(self, shape: int, inputs: torch.Tensor, inputs_host: np.ndarray | None = None) -> DraftTree:
         """Draft the trees of N rows: inputs [3, N] int64 (each row's root token, cached prefix and slot), or take
@@ -352,11 +345,11 @@ class SpecGraphRunner:
         inputs its graph left in the static buffers: a verify step launched before the host read that one's result
         (`SpecDecoder.launch_verify_next`); `verify` follows."""
         self.ahead = None
-        self.graphs[("draft", self._bucket(num_seqs), shape)].replay()
+        self.graphs[("draft", self.bucket(num_seqs), shape)].replay()
 
     def verify(self, shape: int, num_seqs: int, greedy: bool) -> torch.Tensor:
         """The verify step of the trees `draft` just made (same rows); returns the [N, T_d + 2] result view."""
-        self.graphs[("verify", self._bucket(num_seqs), shape, greedy)].replay()
+        self.graphs[("verify", self.bucket(num_seqs), shape, greedy)].replay()
         return self.results[shape][:num_seqs]
 
 

@@ -15,6 +15,7 @@ from jetserve.engine.prefill_graph import PrefillGraphs
 from jetserve.engine.sampler import Sampler
 from jetserve.engine.scheduler import Batch
 from jetserve.engine.sequence import Sequence, TokenLogprobs
+from jetserve.engine.staging import UploadRing
 from jetserve.engine.state_pool import StatePool
 from jetserve.model.forward_batch import ForwardBatch, KVMetadata, Phase
 from jetserve.model.jet_nemotron import JetNemotronForCausalLM
@@ -160,7 +161,7 @@ class ModelRunner:
         self._slot_owner: list[tuple[int, int] | None] = [None] * plan.num_slots
         self._slot_synced_pages = [0] * plan.num_slots
         self.sampler = Sampler(plan.num_slots, self.device)
-        self._is_pinned = self.device.type == "cuda"
+        self.uploads = UploadRing(self.device)  # every upload's pinned staging
         self._size_decode_constants(plan.num_slots)
         self.graph_runner = None  # a GraphRunner once `capture_graphs` ran
         self.prefill_graphs: PrefillGraphs | None = None  # once `use_prefill_graphs` ran
@@ -403,10 +404,7 @@ class ModelRunner:
             padded = np.zeros((num_rows, n + 1), dtype=rows.dtype)
             padded[:, :n] = rows
             rows = padded
-        host = torch.from_numpy(rows)  # [C, n rounded up to even]
-        if self._is_pinned:
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)[:, :n]
+        return self.uploads.upload(rows)[:, :n]  # [C, n rounded up to even] on the device, viewed as [C, n]
 
     def prefill_forward_batch(
         self, batch: Batch, slots: np.ndarray

@@ -138,7 +138,7 @@ class PrefillGraphs:
         logits, the real rows' [N] (views of the graph's outputs, valid until the next replay)."""
         host, _ = self.runner.prefill_host_rows(batch, slots, padded=(bucket, self.rows))
         # (10 rows where the graphs hold 11: speculation switched off since the capture; the draft's row goes unread)
-        self.block[: host.shape[0], : host.shape[1]].copy_(self._staged(host), non_blocking=True)
+        self.runner.uploads.copy_into(self.block[: host.shape[0], : host.shape[1]], host)
         if self.is_graphed:
             self.graphs[("prefill", bucket)].replay()
         else:
@@ -153,7 +153,3 @@ class PrefillGraphs:
             self.graphs[("catch_up", bucket)].replay()
         else:
             self._catch_up(bucket)
-
-    def _staged(self, host: np.ndarray) -> torch.Tensor:
-        rows = torch.from_numpy(host)
-        return rows.pin_memory() if self.is_graphed else rows

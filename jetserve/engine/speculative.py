@@ -91,6 +91,15 @@ def takes_first_guesses(num_rows: int, width: int) -> bool:
     return num_rows * width <= FIRST_GUESS_MAX_POSITIONS
 
 
+def flush_block_views(block, num_rows: int, width: int) -> tuple:
+    """A catch-up's inputs in the layout one copy moves whole: block [num_rows * (width + 3)] int64 (a host array
+    or a device tensor) → ids [num_rows, width] (token t + 1 for each row's positions start .. start + width − 1),
+    then starts, valid counts and slots [num_rows] each (`SpecDecoder.flush_rows`), views of the block."""
+    ids = block[: num_rows * width].reshape(num_rows, width)
+    starts, valid, slots = block[num_rows * width :].reshape(3, num_rows)
+    return ids, starts, valid, slots
+
+
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
 # leaves the best option unchanged doubles the interval (up to MAX_EXPLORE_EVERY), one that changes it resets it.
 EXPLORE_EVERY = 64
@@ -811,13 +820,13 @@ class FirstGuesses:
     def score(self, forced: str | None) -> tuple[int, int]:
         """(right, scored) over the positions whose guessed token is known. Forced acceptance (benchmarks): a forced
         draft's first token is the continuation (right) or never it (wrong), whatever the draft guessed."""
-        table = self.guesses.read()
+        table = self.guesses.wait().numpy()  # [N, C]
         right = scored = 0
         for (seq, start, end), row in zip(self.rows, table, strict=True):
-            tokens = seq.token_ids
-            for t in range(start, min(end, len(tokens) - 2)):
-                scored += 1
-                right += row[t - start] == tokens[t + 2]
+            known = min(end, len(seq.token_ids) - 2) - start  # positions start .. start + known − 1
+            if known > 0:
+                scored += known
+                right += int(np.count_nonzero(row[:known] == seq.token_ids[start + 2 : start + 2 + known]))
         return {None: right, "wrong": 0}.get(forced, scored), scored
 
 
@@ -1071,30 +1080,31 @@ class SpecDecoder:
         return len(todo)
 
     def _flush_rows_of(self, todo: list[tuple[Sequence, int, int]]) -> None:
-        """One catch-up forward for (sequence, slot, end) rows."""
-        lens = [end - self.draft_len[slot] for _, slot, end in todo]
+        """One catch-up forward for (sequence, slot, end) rows: their inputs built on the host in the layout of the
+        flush graph's block (`flush_block_views`, padding rows zero) and moved by one copy."""
+        starts = [int(self.draft_len[slot]) for _, slot, _ in todo]
+        lens = [end - start for (_, _, end), start in zip(todo, starts, strict=True)]
         assert max(lens) <= self.ring, "a sequence missed more positions than its ring holds"
         num_seqs = len(todo)
         self.stats.num_catch_ups += 1
         width = self.graphs.flush_width(num_seqs, max(lens)) if self.graphs is not None else None
         graphs = self.graphs if width is not None else None
         width = width or max(lens)
-        host = np.zeros((num_seqs, width + 3), dtype=np.int64)  # per row: token ids (0-padded), start, length, slot
-        for row, (seq, slot, end) in zip(host, todo, strict=True):
-            start = self.draft_len[slot]
-            row[: end - start] = seq.token_ids[start + 1 : end + 1]
-            row[width:] = start, end - start, slot
-        (flat,) = self.runner.upload(host.reshape(1, -1))
-        dev = flat[: host.size].view(num_seqs, width + 3)
-        ids, starts, valid, slots = dev[:, :width], dev[:, width], dev[:, width + 1], dev[:, width + 2]
+        num_rows = graphs.bucket(num_seqs) if graphs is not None else num_seqs
+        host = np.zeros(num_rows * (width + 3), dtype=np.int64)  # [B * (C + 3)]
+        ids, starts_h, valid_h, slots_h = flush_block_views(host, num_rows, width)
+        for i, ((seq, _, end), start) in enumerate(zip(todo, starts, strict=True)):
+            ids[i, : end - start] = seq.token_ids[start + 1 : end + 1]
+        starts_h[:num_seqs], valid_h[:num_seqs], slots_h[:num_seqs] = starts, lens, [slot for _, slot, _ in todo]
         if graphs is not None:
-            guesses = graphs.flush(ids, starts, valid, slots)
+            guesses = graphs.flush(host, width)
         else:
-            guesses = ids.new_empty(ids.shape) if takes_first_guesses(num_seqs, width) else None
-            self.flush_rows(ids, starts, valid, slots, guesses)
+            inputs = flush_block_views(self.runner.uploads.upload(host), num_rows, width)
+            guesses = inputs[0].new_empty(inputs[0].shape) if takes_first_guesses(num_rows, width) else None
+            self.flush_rows(*inputs, guesses)
         if guesses is not None:
-            rows = [(seq, int(self.draft_len[slot]), end) for seq, slot, end in todo]
-            self.first_guesses.append(FirstGuesses(rows, start_host_copy(guesses)))
+            rows = [(seq, start, end) for (seq, _, end), start in zip(todo, starts, strict=True)]
+            self.first_guesses.append(FirstGuesses(rows, start_host_copy(guesses[:num_seqs])))
         for _, slot, end in todo:
             self.draft_len[slot] = end
 

@@ -1396,7 +1396,7 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     shadowed = _shadow_log(monkeypatch)
     widths = []  # of the flush graphs replayed: a shadow step catches up one position, in the short rows
     flush = engine.spec.graphs.flush
-    engine.spec.graphs.flush = lambda ids, *rows: widths.append(ids.shape[1]) or flush(ids, *rows)
+    engine.spec.graphs.flush = lambda block, width: widths.append(width) or flush(block, width)
     shadow_steps = []
     shadow_draft = engine.spec.shadow_draft
     engine.spec.shadow_draft = lambda *args: shadow_steps.append(shadow_draft(*args)) or shadow_steps[-1]

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from jetserve.engine.model_runner import ModelRunner
+from jetserve.engine.staging import UploadRing
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1001])
 def test_rows_keep_values_and_alignment(n: int) -> None:
-    runner = SimpleNamespace(_is_pinned=False, device=torch.device("cpu"))
+    runner = SimpleNamespace(uploads=UploadRing(torch.device("cpu")))
     runner.upload_block = lambda rows: ModelRunner.upload_block(runner, rows)
     host = np.arange(5 * n, dtype=np.int64).reshape(5, n)
     block = runner.upload_block(host)

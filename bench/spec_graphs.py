@@ -36,7 +36,7 @@ from jetserve.assets import resolve_checkpoint
 from jetserve.engine.bench_offline import bench_prompts, measure_copy_bandwidth
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import flush_block_views
+from jetserve.engine.speculative import flush_block_size, flush_block_views
 from jetserve.sampling_params import SamplingParams
 
 
@@ -141,13 +141,13 @@ def _catch_up_body(engine: LLMEngine, batch_size: int, width: int, valid: int) -
     spec = engine.spec
     seqs = list(engine.scheduler.running)[:batch_size]
     num_rows = spec.graphs.bucket(len(seqs)) if spec.graphs is not None else len(seqs)
-    block = np.zeros(num_rows * (width + 3), dtype=np.int64)  # the host rows, padded to the bucket: ids stay 0
+    block = np.zeros(flush_block_size(num_rows, width), dtype=np.int64)  # the host rows, padded to the bucket: ids 0
     _, starts, counts, slots = flush_block_views(block, num_rows, width)
     starts[: len(seqs)] = [max(0, s.num_computed_tokens - width) for s in seqs]
     counts[: len(seqs)] = valid
     slots[: len(seqs)] = [s.slot for s in seqs]
     if spec.graphs is not None:
-        return lambda: spec.graphs.flush(block, width)
+        return lambda: spec.graphs.flush(block, num_rows, width)
     return lambda: spec.flush_rows(*flush_block_views(engine.runner.uploads.upload(block), num_rows, width))
 
 

@@ -15,7 +15,7 @@ import torch
 
 from jetserve import envs
 from jetserve.engine import graph_split
-from jetserve.engine.speculative import flush_block_views, takes_first_guesses
+from jetserve.engine.speculative import flush_block_size, flush_block_views, takes_first_guesses
 from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree, chain_buffers
 
@@ -227,7 +227,8 @@ class SpecGraphRunner:
         # the host loads whole (`flush_block_views`); and the rows' first guesses out.
         self.flush_widths = sorted({min(SHORT_FLUSH_WIDTH, spec.ring), spec.ring})
         flushes = [(b, w) for b in self.batch_sizes for w in self.flush_widths if self.captures_flush(b, w)]
-        self.flush_blocks = {(b, w): torch.zeros(b * (w + 3), dtype=torch.int64, device=device) for b, w in flushes}
+        self.flush_blocks = {(b, w): torch.zeros(flush_block_size(b, w), dtype=torch.int64, device=device)
+                             for b, w in flushes}  # fmt: skip
         self.flush_guesses = {(b, w): torch.zeros(b, w, dtype=torch.int64, device=device) for b, w in flushes}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = self.decode_graphs.pool
@@ -308,12 +309,12 @@ class SpecGraphRunner:
 
     # ---- replay ----
 
-    def flush(self, block: np.ndarray, width: int) -> torch.Tensor | None:
-        """The draft's catch-up of a bucket's B rows, `block` [B * (C + 3)] int64 on the host (`flush_block_views`:
-        ids [B, C] for a captured width C (`flush_width`), starts / valid / slots [B]; padding rows zero), loaded by
-        one copy. Returns the rows' first guesses [B, C] (the graph's static buffer, valid until its next replay), or
-        None where its graph takes none."""
-        B = block.size // (width + 3)
+    def flush(self, block: np.ndarray, num_rows: int, width: int) -> torch.Tensor | None:
+        """The draft's catch-up of a bucket's `num_rows` rows (B), `block` [flush_block_size] int64 on the host
+        (`flush_block_views`: ids [B, C] for a captured width C (`flush_width`), starts / valid / slots [B]; padding
+        rows zero), loaded by one copy. Returns the rows' first guesses [B, C] (the graph's static buffer, valid until
+        its next replay), or None where its graph takes none."""
+        B = num_rows
         self.spec.runner.uploads.copy_into(self.flush_blocks[B, width], block)
         self.graphs[("flush", B, width)].replay()
         return self.flush_guesses[B, width] if takes_first_guesses(B, width) else None

@@ -91,13 +91,24 @@ def takes_first_guesses(num_rows: int, width: int) -> bool:
     return num_rows * width <= FIRST_GUESS_MAX_POSITIONS
 
 
+def flush_block_size(num_rows: int, width: int) -> int:
+    """The int64 count of a catch-up's block (`flush_block_views`): each part rounded up to an even count, so that
+    every view starts 16-byte aligned (Triton specializes a kernel on its pointers' alignment)."""
+    return _even(num_rows * width) + 3 * _even(num_rows)
+
+
 def flush_block_views(block, num_rows: int, width: int) -> tuple:
-    """A catch-up's inputs in the layout one copy moves whole: block [num_rows * (width + 3)] int64 (a host array
-    or a device tensor) → ids [num_rows, width] (token t + 1 for each row's positions start .. start + width − 1),
-    then starts, valid counts and slots [num_rows] each (`SpecDecoder.flush_rows`), views of the block."""
+    """A catch-up's inputs in the layout one copy moves whole: block [flush_block_size] int64 (a host array or a
+    device tensor) → ids [num_rows, width] (token t + 1 for each row's positions start .. start + width − 1), then
+    starts, valid counts and slots [num_rows] each (`SpecDecoder.flush_rows`), views of the block."""
     ids = block[: num_rows * width].reshape(num_rows, width)
-    starts, valid, slots = block[num_rows * width :].reshape(3, num_rows)
+    rows = block[_even(num_rows * width) :].reshape(3, _even(num_rows))[:, :num_rows]
+    starts, valid, slots = rows
     return ids, starts, valid, slots
+
+
+def _even(n: int) -> int:
+    return n + n % 2
 
 
 # Every this many steps of one batch-size bucket, the least recently timed option runs again; each exploration that
@@ -1091,13 +1102,13 @@ class SpecDecoder:
         graphs = self.graphs if width is not None else None
         width = width or max(lens)
         num_rows = graphs.bucket(num_seqs) if graphs is not None else num_seqs
-        host = np.zeros(num_rows * (width + 3), dtype=np.int64)  # [B * (C + 3)]
+        host = np.zeros(flush_block_size(num_rows, width), dtype=np.int64)
         ids, starts_h, valid_h, slots_h = flush_block_views(host, num_rows, width)
         for i, ((seq, _, end), start) in enumerate(zip(todo, starts, strict=True)):
             ids[i, : end - start] = seq.token_ids[start + 1 : end + 1]
         starts_h[:num_seqs], valid_h[:num_seqs], slots_h[:num_seqs] = starts, lens, [slot for _, slot, _ in todo]
         if graphs is not None:
-            guesses = graphs.flush(host, width)
+            guesses = graphs.flush(host, num_rows, width)
         else:
             inputs = flush_block_views(self.runner.uploads.upload(host), num_rows, width)
             guesses = inputs[0].new_empty(inputs[0].shape) if takes_first_guesses(num_rows, width) else None

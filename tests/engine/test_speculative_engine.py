@@ -11,6 +11,7 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,8 @@ from jetserve.engine.speculative import (
     VerifyLaunch,
     accepted_along,
     draft_shapes,
+    flush_block_size,
+    flush_block_views,
 )
 from jetserve.generate import generate_tokens
 from jetserve.llm import LLM
@@ -1396,7 +1399,7 @@ def test_shadow_drafts_on_the_graph_path_are_not_timed_as_plain_steps(
     shadowed = _shadow_log(monkeypatch)
     widths = []  # of the flush graphs replayed: a shadow step catches up one position, in the short rows
     flush = engine.spec.graphs.flush
-    engine.spec.graphs.flush = lambda block, width: widths.append(width) or flush(block, width)
+    engine.spec.graphs.flush = lambda block, rows, width: widths.append(width) or flush(block, rows, width)
     shadow_steps = []
     shadow_draft = engine.spec.shadow_draft
     engine.spec.shadow_draft = lambda *args: shadow_steps.append(shadow_draft(*args)) or shadow_steps[-1]
@@ -1631,3 +1634,21 @@ def test_a_policy_variant_sets_its_longest_exploration_interval():
         previous = option
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert policy.explore_every[1] == 256 and gaps[-3:] == [256] * 3
+
+
+@pytest.mark.parametrize("num_rows,width", [(1, 1), (1, 4), (3, 3), (4, 128), (5, 7)])
+def test_a_flush_block_holds_its_views_apart_and_aligned(num_rows, width):
+    """A catch-up's block (`flush_block_views`): the four views cover disjoint stretches, in order, each 16-byte
+    aligned on the device tensor as on the host array, and round-trip the values written through them."""
+    size = flush_block_size(num_rows, width)
+    host = np.zeros(size, dtype=np.int64)
+    ids, starts, valid, slots = flush_block_views(host, num_rows, width)
+    assert ids.shape == (num_rows, width) and starts.shape == valid.shape == slots.shape == (num_rows,)
+    ids[:] = np.arange(num_rows * width).reshape(num_rows, width) + 1000
+    starts[:], valid[:], slots[:] = np.arange(num_rows), np.arange(num_rows) + 100, np.arange(num_rows) + 200
+    block = torch.from_numpy(host.copy())
+    views = flush_block_views(block, num_rows, width)
+    for view, expected in zip(views, (ids, starts, valid, slots), strict=True):
+        assert view.data_ptr() % 16 == 0 and view.tolist() == expected.tolist()
+    offsets = [(v.data_ptr() - block.data_ptr()) // 8 for v in views]
+    assert offsets == sorted(offsets) and offsets[1] >= num_rows * width and offsets[3] + num_rows <= size

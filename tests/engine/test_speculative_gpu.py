@@ -15,7 +15,7 @@ from jetserve.engine import graph_split
 from jetserve.engine.bench_offline import random_model
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.engine import LLMEngine
-from jetserve.engine.speculative import FIRST_GUESS_MAX_POSITIONS, flush_block_views
+from jetserve.engine.speculative import FIRST_GUESS_MAX_POSITIONS, flush_block_size, flush_block_views
 from jetserve.model.loader import load_model
 from jetserve.sampling_params import SamplingParams
 from jetserve.spec.eagle3 import make_draft_checkpoint, random_draft_model
@@ -188,10 +188,10 @@ def test_gpu_spec_graph_replay_equals_eager(tiny_checkpoint, gpu_model, draft_di
                 eager_caches = [t.clone() for t in caches]
                 for t, saved in zip(caches, before, strict=True):
                     t.copy_(saved)
-                block = np.zeros(B * (width + 3), dtype=np.int64)  # the rows padded to the bucket, on the host
+                block = np.zeros(flush_block_size(B, width), dtype=np.int64)  # the rows padded to the bucket
                 for view, rows in zip(flush_block_views(block, B, width), (ids, starts, valid, slots), strict=True):
                     view[:N] = rows.cpu().numpy()
-                graph_guesses = graphs.flush(block, width)
+                graph_guesses = graphs.flush(block, B, width)
                 graph_guesses = None if graph_guesses is None else graph_guesses[:N]
                 check_caches(eager_caches, f"flush B={B} N={N} width={width}")
                 if graph_guesses is not None:  # the draft's first guesses (FIRST_GUESS_MAX_POSITIONS); a padded

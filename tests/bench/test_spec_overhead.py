@@ -42,12 +42,25 @@ def test_a_row_and_a_json_line(tmp_path, run_bench):
 
 def test_a_step_kind_is_what_its_counters_moved():
     overhead = load_bench("spec_overhead")
-    stats = overhead.SpecStats(num_verify_steps=3, num_shadow_steps=1, num_catch_ups=5)
-    assert overhead.step_kind(stats, (3, 1, 5), first_token=False) == "plain"
-    assert overhead.step_kind(stats, (2, 1, 4), first_token=False) == "verify"  # a verify step catches up too
-    assert overhead.step_kind(stats, (3, 0, 4), first_token=False) == "shadow"
-    assert overhead.step_kind(stats, (3, 1, 4), first_token=False) == "catch-up"
-    assert overhead.step_kind(stats, (2, 1, 5), first_token=True) == "prefill"
+    stats = overhead.SpecStats(num_verify_steps=3, num_shadow_steps=1, num_catch_ups=5, num_shadow_drafts=7,
+                               num_first_guesses=9)  # fmt: skip
+    assert overhead.spec_counters(stats) == (3, 1, 5, 7, 9)
+    assert overhead.step_kind(stats, (3, 1, 5, 7, 9), first_token=False) == "plain"
+    assert overhead.step_kind(stats, (2, 1, 4, 7, 9), first_token=False) == "verify"  # a verify step catches up too
+    assert overhead.step_kind(stats, (3, 0, 4, 7, 9), first_token=False) == "shadow"
+    assert overhead.step_kind(stats, (3, 1, 4, 7, 9), first_token=False) == "catch-up"
+    assert overhead.step_kind(stats, (2, 1, 5, 7, 9), first_token=True) == "prefill"
+    assert overhead.step_kind(stats, (3, 1, 5, 6, 9), first_token=False) == "plain scoring"
+    assert overhead.step_kind(stats, (3, 1, 5, 7, 8), first_token=False) == "plain scoring"
+    assert overhead.step_kind(stats, (3, 1, 5, 7, 8), first_token=False, after_other=True) == "plain after"
+    assert overhead.step_kind(stats, (3, 0, 5, 7, 8), first_token=False, after_other=True) == "shadow"
+
+
+def test_call_quantiles_split_the_typical_call_from_the_tail():
+    overhead = load_bench("spec_overhead")
+    q = overhead.call_quantiles([1.0] * 98 + [50.0, 100.0])
+    assert (q["p50"], q["p90"]) == (1.0, 1.0) and q["p99"] == 100.0 and q["mean"] == 2.48
+    assert overhead.call_quantiles([]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
 
 
 def test_bad_counts_are_a_one_line_error(run_bench):

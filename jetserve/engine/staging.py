@@ -4,8 +4,9 @@ Before, each upload pinned a fresh host copy (`Tensor.pin_memory`, through torch
 the H100 host, session 58) and its copy recorded an event there; a copy from pageable memory may wait for the device.
 Here an upload is a numpy copy into the next free stretch of a pinned ring and one asynchronous copy out of it, which
 also lets a graph's static inputs be loaded straight from the host (`copy_into`: 10.7 µs for a flush graph's block
-against 19.4 µs for an upload and a device copy, session 58). The ring is cut into segments filled in turn; leaving a segment records an event behind the copies queued out
-of it, and entering a segment again waits for the event it recorded a lap before (in practice long done).
+against 19.4 µs for an upload and a device copy, session 58). The ring is cut into segments filled in turn; leaving
+a segment records an event behind the copies queued out of it, and entering a segment again waits for the event it
+recorded a lap before (in practice long done).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class UploadRing:
         n = rows.size
         if n > self.segment_size:
             self.num_unstaged += 1
-            host = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+            host = torch.from_numpy(np.ascontiguousarray(rows.astype(np.int64, casting="safe", copy=False)))
             return host.pin_memory() if self.is_cuda else host
         if self._used + n > self.segment_size:
             self._next_segment()

@@ -42,8 +42,10 @@ def test_rows_of_another_integer_type_are_widened() -> None:
     ring = UploadRing(torch.device("cpu"), num_elements=16, num_segments=2)
     rows = np.array([[1, -2, 3]], dtype=np.int32)
     assert ring.upload(rows).tolist() == [[1, -2, 3]]
-    with pytest.raises(TypeError):
-        ring.upload(np.array([1.5]))
+    assert ring.upload(np.arange(12, dtype=np.int32)).tolist() == list(range(12))  # over a segment: pinned apart
+    for floats in (np.array([1.5]), np.arange(12, dtype=np.float64)):
+        with pytest.raises(TypeError):
+            ring.upload(floats)
 
 
 @pytest.mark.gpu

@@ -220,11 +220,12 @@ class ModelRunner:
         rows)."""
         graphs = self.prefill_graphs
         fb, counters, logits = graphs.run(batch, slots, bucket)  # [N] rows
-        tokens = self.sampler(logits, fb.state_indices[: len(batch.seqs)], counters, slots)  # [N]
+        into = graphs.sampled_tokens(len(batch.seqs)) if self.spec is not None else None
+        tokens = self.sampler(logits, fb.state_indices[: len(batch.seqs)], counters, slots, out=into)  # [N]
         copy = start_host_copy(tokens)  # before the draft's catch-up: the tokens are read without waiting for it
         if self.spec is not None:
             self.spec.before_prefill(batch.seqs, slots, batch.start_positions, batch.num_new_tokens)
-            graphs.catch_up(bucket, tokens)
+            graphs.catch_up(bucket)
         out = StepOutput(copy.read())
         if any(s.sampling_params.logprobs is not None for s in batch.seqs):
             out.logprobs = self._token_logprobs(logits, tokens, out.token_ids, batch.seqs)

@@ -104,6 +104,11 @@ class PrefillGraphs:
         logits = runner.model.compute_logits(hidden[fb.last_indices])  # [N_b, V]
         self.held[bucket] = _Bucket(fb, counters, draft_inputs, logits, runner.model.aux_hidden_states)
 
+    def sampled_tokens(self, num_seqs: int) -> torch.Tensor:
+        """Where a step's sampler writes its [num_seqs] tokens when the draft catches up on them (`catch_up` reads them
+        there: a greedy step's argmax lands in place, no copy launched). Valid until the next step samples."""
+        return self.tokens[:num_seqs]
+
     def _catch_up(self, bucket: int) -> None:
         """The draft's catch-up on the bucket's tokens, the sampled ones from `tokens` (what graph B captures)."""
         held = self.held[bucket]
@@ -146,9 +151,9 @@ class PrefillGraphs:
         held, num_seqs = self.held[bucket], len(batch.seqs)
         return held.fb, held.counters[:num_seqs], held.logits[:num_seqs]
 
-    def catch_up(self, bucket: int, tokens: torch.Tensor) -> None:
-        """The draft's catch-up on the step just replayed (after `SpecDecoder.before_prefill`): tokens [N] sampled."""
-        self.tokens[: tokens.shape[0]].copy_(tokens)
+    def catch_up(self, bucket: int) -> None:
+        """The draft's catch-up on the step just replayed (after `SpecDecoder.before_prefill`), from the tokens the
+        step sampled into `sampled_tokens`."""
         if self.is_graphed:
             self.graphs[("catch_up", bucket)].replay()
         else:

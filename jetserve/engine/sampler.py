@@ -89,12 +89,15 @@ class Sampler:
         state_indices: torch.Tensor,
         counters: torch.Tensor,
         slots: np.ndarray | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """logits [N, V] fp32, state_indices [N], counters [N] int64 → tokens [N] int64. `slots` [N] are the state
         indices on the host: their parameters choose the least work that draws the same tokens — an argmax when
         every row is greedy, no top-k/top-p/min-p threshold when no sampled row filters (`sample`'s promises); None
-        takes the full path (the memory profile of the largest step)."""
-        return self._draw(logits, state_indices, lambda: counters, slots)
+        takes the full path (the memory profile of the largest step). Into `out` [N] int64 (contiguous) when given,
+        which is returned: an all-greedy draw's argmax writes it directly, a sampled draw is copied in."""
+        tokens = self._draw(logits, state_indices, lambda: counters, slots, out)
+        return tokens if out is None or tokens is out else out.copy_(tokens)
 
     def after(
         self, logits: torch.Tensor, state_indices: torch.Tensor, positions: torch.Tensor, slots: np.ndarray | None
@@ -109,14 +112,16 @@ class Sampler:
         state_indices: torch.Tensor,
         counters: Callable[[], torch.Tensor],
         slots: np.ndarray | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The tokens [N]: an all-greedy draw's argmax into `out` when given (then `out` itself), else new."""
         if slots is None:
             is_filtered = has_greedy = True
         else:
             host = self._host
             is_random = host["temperature"][slots] > 0  # [N]
             if not is_random.any():  # all greedy: the argmax alone (the filters are not looked at)
-                return argmax(logits)
+                return argmax(logits, out=out)
             filters = (host["top_k"][slots] > 0) | (host["top_p"][slots] < 1) | (host["min_p"][slots] > 0)  # [N]
             is_filtered = bool((is_random & filters).any())
             has_greedy = not bool(is_random.all())

@@ -64,6 +64,22 @@ def test_sampler_takes_the_least_work_that_draws_the_same_tokens(monkeypatch, pa
     assert calls[-1] == dict(is_filtered=True, has_greedy=True)
 
 
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0), (0.0, 0.9), (0.7, 1.1)])
+def test_a_draw_into_a_given_buffer_is_the_draw(temperatures) -> None:
+    """`out` (a prefill graph's token buffer, which the draft's catch-up reads): the draw lands there, and the call
+    returns that very tensor, with the tokens a draw without `out` gives; the rows past N are left alone."""
+    sampler = make_sampler({slot: SamplingParams(temperature=t) for slot, t in zip((1, 2), temperatures, strict=True)})
+    slots = np.array([1, 2], dtype=np.int64)
+    state_indices = torch.from_numpy(slots).int()
+    counters = torch.tensor([3, 7], dtype=torch.int64)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(11)) * 3  # [N, V]
+    buffer = torch.full((4,), -1, dtype=torch.int64)
+    tokens = sampler(logits, state_indices, counters, slots, out=buffer[:2])
+    assert tokens.data_ptr() == buffer.data_ptr() and tokens.shape == (2,)
+    assert torch.equal(tokens, sampler(logits, state_indices, counters, slots))
+    assert buffer[2:].tolist() == [-1, -1]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_decode_draw_forms_counters_only_when_a_row_samples(temperature) -> None:
     """`Sampler.after` (a decode step's draw from the positions it cached) equals the draw with counters = positions

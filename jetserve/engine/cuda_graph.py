@@ -314,10 +314,9 @@ class SpecGraphRunner:
         (`flush_block_views`: ids [B, C] for a captured width C (`flush_width`), starts / valid / slots [B]; padding
         rows zero), loaded by one copy. Returns the rows' first guesses [B, C] (the graph's static buffer, valid until
         its next replay), or None where its graph takes none."""
-        B = num_rows
-        self.spec.runner.uploads.copy_into(self.flush_blocks[B, width], block)
-        self.graphs[("flush", B, width)].replay()
-        return self.flush_guesses[B, width] if takes_first_guesses(B, width) else None
+        self.spec.runner.uploads.copy_into(self.flush_blocks[num_rows, width], block)
+        self.graphs[("flush", num_rows, width)].replay()
+        return self.flush_guesses[num_rows, width] if takes_first_guesses(num_rows, width) else None
 
     def draft(self, shape: int, inputs: torch.Tensor, inputs_host: np.ndarray | None = None) -> DraftTree:
         """Draft the trees of N rows: inputs [3, N] int64 (each row's root token, cached prefix and slot), or take

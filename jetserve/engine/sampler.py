@@ -96,8 +96,7 @@ class Sampler:
         every row is greedy, no top-k/top-p/min-p threshold when no sampled row filters (`sample`'s promises); None
         takes the full path (the memory profile of the largest step). Into `out` [N] int64 (contiguous) when given,
         which is returned: an all-greedy draw's argmax writes it directly, a sampled draw is copied in."""
-        tokens = self._draw(logits, state_indices, lambda: counters, slots, out)
-        return tokens if out is None or tokens is out else out.copy_(tokens)
+        return self._draw(logits, state_indices, lambda: counters, slots, out)
 
     def after(
         self, logits: torch.Tensor, state_indices: torch.Tensor, positions: torch.Tensor, slots: np.ndarray | None
@@ -114,7 +113,7 @@ class Sampler:
         slots: np.ndarray | None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The tokens [N]: an all-greedy draw's argmax into `out` when given (then `out` itself), else new."""
+        """The tokens [N], into `out` when given: an all-greedy draw's argmax writes it, a sampled draw is copied in."""
         if slots is None:
             is_filtered = has_greedy = True
         else:
@@ -126,10 +125,11 @@ class Sampler:
             is_filtered = bool((is_random & filters).any())
             has_greedy = not bool(is_random.all())
         rows = self.rows(state_indices, counters())
-        return sample(
+        tokens = sample(
             logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.counters,
             is_filtered=is_filtered, has_greedy=has_greedy,
         )  # fmt: skip
+        return tokens if out is None else out.copy_(tokens)
 
     def rows(self, state_indices: torch.Tensor, counters: torch.Tensor) -> SamplingRows:
         """The parameters of the sequences in slots `state_indices` [N], gathered on the device, with their

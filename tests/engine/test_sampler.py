@@ -80,6 +80,32 @@ def test_a_draw_into_a_given_buffer_is_the_draw(temperatures) -> None:
     assert buffer[2:].tolist() == [-1, -1]
 
 
+def test_a_greedy_draw_into_a_given_buffer_copies_nothing_more(monkeypatch) -> None:
+    """The Triton argmax returns a view of `out`, not `out` itself: the draw must not copy that view onto `out`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func.overloadpacket.__name__ == "copy_"
+            return func(*args, **(kwargs or {}))
+
+    def argmax_as_triton(logits, out=None):  # writes `out` without a copy_, returns a view of it
+        torch.argmax(logits, dim=-1, out=out)
+        return out.view(-1)
+
+    monkeypatch.setattr(sampler_module, "argmax", argmax_as_triton)
+    sampler = make_sampler({1: SamplingParams(temperature=0), 2: SamplingParams(temperature=0)})
+    slots = np.array([1, 2], dtype=np.int64)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(13))  # [N, V]
+    out = torch.full((2,), -1, dtype=torch.int64)
+    with Copies():
+        tokens = sampler(logits, torch.from_numpy(slots).int(), torch.tensor([1, 1]), slots, out=out)
+    assert Copies.count == 0 and tokens.data_ptr() == out.data_ptr()
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_decode_draw_forms_counters_only_when_a_row_samples(temperature) -> None:
     """`Sampler.after` (a decode step's draw from the positions it cached) equals the draw with counters = positions

@@ -144,16 +144,18 @@ class _CallWrapper:
 
 
 def graph_replay_ms(engine: LLMEngine, batch_size: int, steps: int) -> float:
-    """Milliseconds per replay of the decode graph of `batch_size`'s bucket, back to back (the inputs of the last
-    step stay in its static buffers, so each replay redoes that step: same bytes, same kernels)."""
+    """Milliseconds per replay of the decode graph of `batch_size`'s bucket, back to back, each after a rewind of its
+    positions (`GraphRunner.rewind`, one small copy), so each replay redoes the last step: same bytes, same kernels."""
     graphs = engine.runner.graph_runner
     if graphs is None or not graphs.fits(batch_size):
         return float("nan")
     graph = graphs.graphs[graphs.bucket(batch_size)]
+    graphs.rewind()
     graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(steps):
+        graphs.rewind()
         graph.replay()
     end.record()
     end.synchronize()

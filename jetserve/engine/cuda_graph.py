@@ -16,6 +16,7 @@ import torch
 from jetserve import envs
 from jetserve.engine import graph_split
 from jetserve.engine.speculative import flush_block_size, flush_block_views, takes_first_guesses
+from jetserve.ops.decode_inputs import advance_decode_inputs
 from jetserve.ops.sampling import argmax
 from jetserve.spec.tree import DraftTree, chain_buffers
 
@@ -61,7 +62,10 @@ class GraphRunner:
     they write only the reserved slot 0 and nothing in the K/V caches (`slot_mapping` −1). Logits land in one static
     `[B_max, V]` buffer that every graph writes its first B rows of, and their argmax in `greedy` [B_max]: an
     all-greedy step takes its tokens from there instead of launching the sampler (whose two Triton launches were the
-    largest part of a small model's host work per step, session 45). All graphs share one memory pool.
+    largest part of a small model's host work per step, session 45). Each graph ends by turning its inputs into the
+    next step's for the same rows (`advance_decode_inputs`: tokens from `greedy`, positions one on, the step's own
+    positions kept in `used_positions`), so an all-greedy step launched ahead replays with no copy (`run_next`). All
+    graphs share one memory pool.
     """
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
@@ -76,11 +80,12 @@ class GraphRunner:
         self.state_indices = torch.zeros(B, dtype=torch.int32, device=device)  # [B]
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
         self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
+        self.used_positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: the last replay's positions
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        # What the static inputs hold since the last `run`: its rows' slots (the very tensor it was given) and
-        # positions, padding zeroed past them — so the step after, for the same rows, only needs its tokens and the
-        # positions advanced in place (`run_next`) — with that step's views of the buffers and its graph.
+        # The rows the static inputs hold since the last `run`: their slots (the very tensor it was given), padding
+        # zeroed past them — after a replay, the inputs of the step after for the same rows (`run_next`) — with that
+        # step's views of the buffers and its graph.
         self._held: _HeldInputs | None = None
 
     def fits(self, num_seqs: int) -> bool:
@@ -90,11 +95,13 @@ class GraphRunner:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
     def _step(self, B: int) -> None:
-        self.runner.decode_logits(self.input_ids[:B], self.positions[:B], self.state_indices[:B], self.logits[:B])
+        positions, state_indices = self.positions[:B], self.state_indices[:B]
+        self.runner.decode_logits(self.input_ids[:B], positions, state_indices, self.logits[:B])
         argmax(self.logits[:B], out=self.greedy[:B])
         spec = self.runner.spec
         if spec is not None:  # the draft's target features, into its catch-up ring (padding rows: slot 0)
-            spec.store_features(self.positions[:B], self.state_indices[:B], self.runner.model.aux_hidden_states)
+            spec.store_features(positions, state_indices, self.runner.model.aux_hidden_states)
+        advance_decode_inputs(self.greedy[:B], positions, state_indices, self.input_ids[:B], self.used_positions[:B])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -115,7 +122,8 @@ class GraphRunner:
         is `greedy[:N]`, their argmax)."""
         N = input_ids.shape[0]
         B = self.bucket(N)
-        held = _HeldInputs(state_indices, self.input_ids[:N], self.positions[:N], self.logits[:N], self.graphs[B])
+        held = _HeldInputs(state_indices, self.input_ids[:N], self.positions[:N], self.used_positions[:N],
+                           self.logits[:N], self.graphs[B])  # fmt: skip
         held.input_ids.copy_(input_ids)
         held.positions.copy_(positions)
         self.state_indices[:N].copy_(state_indices)
@@ -129,16 +137,24 @@ class GraphRunner:
         """Whether the static inputs hold the rows of the last `run` for exactly these slots (the same tensor)."""
         return self._held is not None and self._held.state_indices is state_indices
 
+    def rewind(self) -> None:
+        """Put the static positions back to the last replay's, so that replaying its graph again redoes that step on
+        the same pages (benchmarks replaying one step back to back); the tokens stay that step's argmax."""
+        self.positions.copy_(self.used_positions)
+
     def run_next(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step after the last replay, for the same rows (`holds`): their tokens `input_ids` [N] (the last
-        step's), each position one further — advanced in place, padding rows left at 0 — and the same slots: one copy
-        and one add where `run` makes three copies and, in a padded bucket, three fills. Returns (logits [N, V],
+        step's), each position one further, the same slots. The last replay left exactly these inputs behind, with
+        its argmax as the tokens: an all-greedy step (`input_ids` is `greedy[:N]`) only replays, any other copies its
+        tokens in first — where `run` makes three copies and, in a padded bucket, three fills. Returns (logits [N, V],
         positions [N]): views of the static buffers, valid until the next replay."""
         held = self._held
-        held.input_ids.copy_(input_ids)  # a shape other than the held rows' fails here
-        held.positions.add_(1)
+        if input_ids.shape != held.input_ids.shape:
+            raise ValueError(f"run_next: {tuple(input_ids.shape)} tokens for {held.input_ids.shape[0]} held rows")
+        if input_ids.data_ptr() != self.greedy.data_ptr():  # sampled: not the argmax the graph wrote in
+            held.input_ids.copy_(input_ids)
         held.graph.replay()
-        return held.logits, held.positions
+        return held.logits, held.used_positions
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,7 +164,8 @@ class _HeldInputs:
 
     state_indices: torch.Tensor  # [N]
     input_ids: torch.Tensor  # [N] view of the static token ids
-    positions: torch.Tensor  # [N] view of the static positions
+    positions: torch.Tensor  # [N] view of the static positions (the next step's, after a replay)
+    used_positions: torch.Tensor  # [N] view of the positions the last replay used
     logits: torch.Tensor  # [N, V] view of the static logits
     graph: object  # the bucket's graph
 

@@ -134,6 +134,11 @@ def _check_graph_buckets(engine: LLMEngine, rel: float) -> None:
             _assert_close(graph_logits, eager_logits, rel, f"logits B={B} N={N}")
             # the argmax an all-greedy step takes instead of the sampler's
             assert torch.equal(graphs.greedy[:N], graph_logits.argmax(dim=-1)), f"greedy B={B} N={N}"
+            # left behind: the next step's inputs for these rows (`run_next`), padding still padding
+            assert torch.equal(graphs.used_positions[:N], positions), f"used positions B={B} N={N}"
+            assert torch.equal(graphs.positions[:N], positions + 1), f"next positions B={B} N={N}"
+            assert torch.equal(graphs.input_ids[:N], graphs.greedy[:N]), f"next tokens B={B} N={N}"
+            assert not graphs.positions[N:B].any() and not graphs.input_ids[N:B].any(), f"padding B={B} N={N}"
             for i, (g, e, b) in enumerate(zip(_snapshot(engine), eager_state, before, strict=True)):
                 if i >= 2:  # K/V caches: padded rows write nothing (slot_mapping -1)
                     _assert_close(g, e, rel, f"cache {i} B={B} N={N}")

@@ -55,8 +55,9 @@ def capture_batch_sizes(config: EngineConfig, num_slots: int) -> list[int]:
 
 
 class GraphRunner:
-    """Static input buffers `[B_max]` (token ids, positions, state slots) and one graph per bucket, all from one
-    stream capture where the driver allows (`_capture_all`).
+    """One graph per bucket, all from one stream capture where the driver allows (`_capture_all`), each reading its
+    own static input block `[3, B]` int64 (token ids, positions, state slots: `inputs`), so that a step's inputs from
+    the host reach it in one copy (`run_host`).
 
     A batch of N sequences replays the smallest bucket B ≥ N; rows N..B are padding: slot 0, position 0, token 0, so
     they write only the reserved slot 0 and nothing in the K/V caches (`slot_mapping` −1). Logits land in one static
@@ -75,17 +76,15 @@ class GraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         device = runner.device
         B = self.max_batch_size
-        self.input_ids = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
-        self.positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]
-        self.state_indices = torch.zeros(B, dtype=torch.int32, device=device)  # [B]
+        self.blocks = {b: torch.zeros(3, b, dtype=torch.int64, device=device) for b in self.batch_sizes}  # [3, b]
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
         self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
         self.used_positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: the last replay's positions
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        # The rows the static inputs hold since the last `run`: their slots (the very tensor it was given), padding
-        # zeroed past them — after a replay, the inputs of the step after for the same rows (`run_next`) — with that
-        # step's views of the buffers and its graph.
+        # The rows the static inputs hold since the last `run` or `run_host`: their slots (the very tensor given or
+        # returned), padding zeroed past them — after a replay, the inputs of the step after for the same rows
+        # (`run_next`) — with that step's views of the buffers and its graph.
         self._held: _HeldInputs | None = None
 
     def fits(self, num_seqs: int) -> bool:
@@ -94,53 +93,76 @@ class GraphRunner:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
+    def inputs(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bucket B's static (token ids, positions, state slots), [B] int64 each: rows of its block."""
+        ids, positions, slots = self.blocks[B].unbind(0)
+        return ids, positions, slots
+
     def _step(self, B: int) -> None:
-        positions, state_indices = self.positions[:B], self.state_indices[:B]
-        self.runner.decode_logits(self.input_ids[:B], positions, state_indices, self.logits[:B])
+        input_ids, positions, state_indices = self.inputs(B)
+        self.runner.decode_logits(input_ids, positions, state_indices, self.logits[:B])
         argmax(self.logits[:B], out=self.greedy[:B])
         spec = self.runner.spec
         if spec is not None:  # the draft's target features, into its catch-up ring (padding rows: slot 0)
             spec.store_features(positions, state_indices, self.runner.model.aux_hidden_states)
-        advance_decode_inputs(self.greedy[:B], positions, state_indices, self.input_ids[:B], self.used_positions[:B])
+        advance_decode_inputs(self.greedy[:B], positions, state_indices, input_ids, self.used_positions[:B])
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first (so smaller graphs reuse the pool's blocks), on padding inputs."""
-        self._pad(0)
+        for block in self.blocks.values():
+            block.zero_()
         self._held = None
         steps = [(B, lambda B=B: self._step(B)) for B in reversed(self.batch_sizes)]
         self.pool = _capture_all(steps, self.graphs, self.pool)
         torch.cuda.synchronize()
 
-    def _pad(self, start: int, end: int | None = None) -> None:
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
-        self.state_indices[start:end].zero_()
+    def _hold(self, state_indices: torch.Tensor, N: int, B: int) -> _HeldInputs:
+        block = self.blocks[B]
+        held = _HeldInputs(state_indices, block[0, :N], block[1, :N], self.used_positions[:N], self.logits[:N],
+                           self.graphs[B], B)  # fmt: skip
+        self._held = held
+        return held
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, state_indices: torch.Tensor) -> torch.Tensor:
-        """[N] inputs (N ≤ max bucket) → logits [N, V], a view of the static buffer valid until the next replay (as
-        is `greedy[:N]`, their argmax)."""
+        """[N] inputs on the device (N ≤ max bucket) → logits [N, V], a view of the static buffer valid until the
+        next replay (as is `greedy[:N]`, their argmax)."""
         N = input_ids.shape[0]
         B = self.bucket(N)
-        held = _HeldInputs(state_indices, self.input_ids[:N], self.positions[:N], self.used_positions[:N],
-                           self.logits[:N], self.graphs[B])  # fmt: skip
+        held = self._hold(state_indices, N, B)
+        block = self.blocks[B]
         held.input_ids.copy_(input_ids)
         held.positions.copy_(positions)
-        self.state_indices[:N].copy_(state_indices)
+        block[2, :N].copy_(state_indices)
         if B > N:
-            self._pad(N, B)
-        self._held = held
+            block[:, N:].zero_()
         held.graph.replay()
         return held.logits
 
+    def run_host(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's inputs from the host, rows [3, N] int64 (token ids, positions, slots; N ≤ max bucket), padded to
+        the bucket and loaded by one copy through the runner's upload ring, then the replay. Returns (logits [N, V],
+        positions [N], state slots [N]): views of the static buffers, valid until the next replay."""
+        N = rows.shape[1]
+        B = self.bucket(N)
+        if B > N:  # (np.pad takes ~10 µs on this project's CPU: a plain copy well under 1)
+            padded = np.zeros((3, B), dtype=np.int64)
+            padded[:, :N] = rows
+            rows = padded
+        self.runner.uploads.copy_into(self.blocks[B], rows)
+        held = self._hold(self.blocks[B][2, :N], N, B)
+        held.graph.replay()
+        return held.logits, held.used_positions, held.state_indices
+
     def holds(self, state_indices: torch.Tensor) -> bool:
-        """Whether the static inputs hold the rows of the last `run` for exactly these slots (the same tensor)."""
+        """Whether the static inputs hold the rows of the last replay for exactly these slots (the same tensor)."""
         return self._held is not None and self._held.state_indices is state_indices
 
     def rewind(self) -> None:
         """Put the static positions back to the last replay's, so that replaying its graph again redoes that step on
         the same pages (benchmarks replaying one step back to back); the tokens stay that step's argmax."""
-        self.positions.copy_(self.used_positions)
+        B = self._held.bucket
+        self.blocks[B][1].copy_(self.used_positions[:B])
 
     def run_next(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step after the last replay, for the same rows (`holds`): their tokens `input_ids` [N] (the last
@@ -159,15 +181,16 @@ class GraphRunner:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _HeldInputs:
-    """The rows a decode graph's static inputs hold after `GraphRunner.run`: their slots (the tensor given) and the
-    views and graph of that step, for `run_next`."""
+    """The rows a decode graph's static inputs hold after `GraphRunner.run` or `run_host`: their slots (the tensor
+    given, or the view returned) and the views, graph and bucket of that step, for `run_next`."""
 
     state_indices: torch.Tensor  # [N]
-    input_ids: torch.Tensor  # [N] view of the static token ids
-    positions: torch.Tensor  # [N] view of the static positions (the next step's, after a replay)
+    input_ids: torch.Tensor  # [N] view of the bucket's static token ids
+    positions: torch.Tensor  # [N] view of its static positions (the next step's, after a replay)
     used_positions: torch.Tensor  # [N] view of the positions the last replay used
     logits: torch.Tensor  # [N, V] view of the static logits
     graph: object  # the bucket's graph
+    bucket: int
 
 
 def _capture_all(steps: list[tuple[Hashable, Callable[[], None]]], graphs: dict, pool: object) -> object:

@@ -294,9 +294,13 @@ class ModelRunner:
         host[0] = [s.token_ids[-1] for s in seqs]
         host[1] = [s.num_computed_tokens for s in seqs]
         host[2] = slots
-        input_ids, positions, state_indices = self.upload(host)
         if self.spec is not None:
             self.spec.before_decode(seqs, slots, host[1])
+        graphs = self.graph_runner
+        if graphs is not None and graphs.fits(len(seqs)):  # the inputs go straight into the graph's block
+            logits, positions, state_indices = graphs.run_host(host)  # [N, V], [N], [N]
+            return self._sampled(seqs, slots, host[1], logits, positions, state_indices, is_graphed=True), logits
+        input_ids, positions, state_indices = self.upload(host)
         return self._decode(seqs, slots, host[1], input_ids, positions, state_indices)
 
     def _decode(

@@ -258,6 +258,7 @@ def graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap: bool) -
         return call
 
     graphs.run = counted("replays", graphs.run)
+    graphs.run_host = counted("replays", graphs.run_host)
     graphs.run_next = counted("replays", counted("next", graphs.run_next))
     engine.runner.sampler.after = counted("draws", engine.runner.sampler.after)
     return engine, counts

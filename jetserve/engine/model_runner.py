@@ -252,7 +252,7 @@ class ModelRunner:
         if len(keep) == len(prev.seqs):
             graphs = self.graph_runner
             if graphs is not None and graphs.holds(prev.state_indices):
-                # The decode graph's inputs hold `prev`'s rows: only the tokens move, the positions advance in place.
+                # The decode graph's inputs hold the step after `prev` for its rows (the graph wrote them): replay.
                 logits, positions_d = graphs.run_next(prev.tokens)  # [N, V], [N]
                 return self._sampled(seqs, slots, positions, logits, positions_d, prev.state_indices, is_graphed=True)
             input_ids, positions_d, state_indices = prev.tokens, prev.positions + 1, prev.state_indices

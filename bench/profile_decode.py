@@ -149,13 +149,13 @@ def graph_replay_ms(engine: LLMEngine, batch_size: int, steps: int) -> float:
     graphs = engine.runner.graph_runner
     if graphs is None or not graphs.fits(batch_size):
         return float("nan")
-    graph = graphs.graphs[graphs.bucket(batch_size)]
-    graphs.rewind()
+    bucket = graphs.bucket(batch_size)
+    graph = graphs.graphs[bucket]
     graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(steps):
-        graphs.rewind()
+        graphs.rewind(bucket)
         graph.replay()
     end.record()
     end.synchronize()

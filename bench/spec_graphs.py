@@ -163,10 +163,12 @@ def _measure(
     bodies: list[tuple[str, Callable[[], None], float]] = []  # (graph, body, its µs) for --profile
     graphs = runner.graph_runner
     if graphs is not None:
-        graph = graphs.graphs[graphs.bucket(batch_size)]
+        bucket = graphs.bucket(batch_size)
+        graph = graphs.graphs[bucket]
+        graph.replay()
 
         def replay() -> None:  # the same step again: each replay advances its inputs to the next one
-            graphs.rewind()
+            graphs.rewind(bucket)
             graph.replay()
 
         rows.append(("decode", _timed(replay, device, args.reps, args.rounds), target))

@@ -120,7 +120,7 @@ class GraphRunner:
     def _hold(self, state_indices: torch.Tensor, N: int, B: int) -> _HeldInputs:
         block = self.blocks[B]
         held = _HeldInputs(state_indices, block[0, :N], block[1, :N], self.used_positions[:N], self.logits[:N],
-                           self.graphs[B], B)  # fmt: skip
+                           self.graphs[B])  # fmt: skip
         self._held = held
         return held
 
@@ -158,10 +158,10 @@ class GraphRunner:
         """Whether the static inputs hold the rows of the last replay for exactly these slots (the same tensor)."""
         return self._held is not None and self._held.state_indices is state_indices
 
-    def rewind(self) -> None:
-        """Put the static positions back to the last replay's, so that replaying its graph again redoes that step on
-        the same pages (benchmarks replaying one step back to back); the tokens stay that step's argmax."""
-        B = self._held.bucket
+    def rewind(self, B: int) -> None:
+        """Put bucket B's static positions back to those its graph's last replay used (the last replay must be B's),
+        so that replaying it again redoes that step on the same pages: benchmarks replaying one step back to back. The
+        tokens stay that step's argmax."""
         self.blocks[B][1].copy_(self.used_positions[:B])
 
     def run_next(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +182,7 @@ class GraphRunner:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _HeldInputs:
     """The rows a decode graph's static inputs hold after `GraphRunner.run` or `run_host`: their slots (the tensor
-    given, or the view returned) and the views, graph and bucket of that step, for `run_next`."""
+    given, or the view returned) and the views and graph of that step, for `run_next`."""
 
     state_indices: torch.Tensor  # [N]
     input_ids: torch.Tensor  # [N] view of the bucket's static token ids
@@ -190,7 +190,6 @@ class _HeldInputs:
     used_positions: torch.Tensor  # [N] view of the positions the last replay used
     logits: torch.Tensor  # [N, V] view of the static logits
     graph: object  # the bucket's graph
-    bucket: int
 
 
 def _capture_all(steps: list[tuple[Hashable, Callable[[], None]]], graphs: dict, pool: object) -> object:

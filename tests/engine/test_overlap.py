@@ -285,3 +285,27 @@ def test_decode_graph_argmax_serves_all_greedy_steps(tiny_checkpoint, tiny_model
             assert counts["draws"] == 3 and counts["replays"] > counts["draws"]
         else:
             assert counts["draws"] == 0
+
+
+def test_decode_graph_leaves_the_next_steps_inputs(tiny_checkpoint, tiny_model, tiny_tokenizer) -> None:
+    """A decode graph (run eagerly) loaded from the host for 3 rows of bucket 4 leaves the next step's inputs in its
+    block: its argmax as the tokens, positions one on, the slots; the padding row stays zero. `rewind` puts the
+    positions back; the step after replays with no copy and moves them on again."""
+    import numpy as np
+
+    engine, counts = graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False)
+    graphs = engine.runner.graph_runner
+    host = np.array([[7, 9, 11], [3, 0, 5], [1, 2, 4]], dtype=np.int64)  # token ids, positions, slots
+    logits, used, slots = graphs.run_host(host)
+    ids, positions, block_slots = graphs.inputs(4)
+    assert used.tolist() == [3, 0, 5] and slots.tolist() == [1, 2, 4] and graphs.holds(slots)
+    assert torch.equal(ids[:3], logits.argmax(dim=-1)) and torch.equal(ids[:3], graphs.greedy[:3])
+    assert positions.tolist() == [4, 1, 6, 0] and block_slots.tolist() == [1, 2, 4, 0] and ids[3] == 0
+    graphs.rewind(4)
+    assert positions.tolist() == [3, 0, 5, 0]
+    positions[:3] += 1
+    _, used_next = graphs.run_next(graphs.greedy[:3])
+    assert used_next.tolist() == [4, 1, 6] and positions.tolist() == [5, 2, 7, 0]
+    assert counts == {"replays": 2, "next": 1, "draws": 0}
+    with pytest.raises(ValueError, match="held rows"):
+        graphs.run_next(graphs.greedy[:2])

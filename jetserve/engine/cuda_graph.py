@@ -76,7 +76,9 @@ class GraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         device = runner.device
         B = self.max_batch_size
-        self.blocks = {b: torch.zeros(3, b, dtype=torch.int64, device=device) for b in self.batch_sizes}  # [3, b]
+        # [3, b rounded up to even]: each row 16-byte aligned, as Triton specializes a kernel on its pointers'
+        # alignment (an odd bucket's rows would otherwise build a second variant of every kernel they reach)
+        self.blocks = {b: torch.zeros(3, b + b % 2, dtype=torch.int64, device=device) for b in self.batch_sizes}
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
         self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
         self.used_positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: the last replay's positions
@@ -95,7 +97,7 @@ class GraphRunner:
 
     def inputs(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Bucket B's static (token ids, positions, state slots), [B] int64 each: rows of its block."""
-        ids, positions, slots = self.blocks[B].unbind(0)
+        ids, positions, slots = self.blocks[B][:, :B].unbind(0)
         return ids, positions, slots
 
     def _step(self, B: int) -> None:
@@ -145,11 +147,12 @@ class GraphRunner:
         positions [N], state slots [N]): views of the static buffers, valid until the next replay."""
         N = rows.shape[1]
         B = self.bucket(N)
-        if B > N:  # (np.pad takes ~10 µs on this project's CPU: a plain copy well under 1)
-            padded = np.zeros((3, B), dtype=np.int64)
+        block = self.blocks[B]
+        if block.shape[1] > N:  # (np.pad takes ~10 µs on this project's CPU: a plain copy well under 1)
+            padded = np.zeros(block.shape, dtype=np.int64)
             padded[:, :N] = rows
             rows = padded
-        self.runner.uploads.copy_into(self.blocks[B], rows)
+        self.runner.uploads.copy_into(block, rows)
         held = self._hold(self.blocks[B][2, :N], N, B)
         held.graph.replay()
         return held.logits, held.used_positions, held.state_indices
@@ -162,7 +165,7 @@ class GraphRunner:
         """Put bucket B's static positions back to those its graph's last replay used (the last replay must be B's),
         so that replaying it again redoes that step on the same pages: benchmarks replaying one step back to back. The
         tokens stay that step's argmax."""
-        self.blocks[B][1].copy_(self.used_positions[:B])
+        self.blocks[B][1, :B].copy_(self.used_positions[:B])
 
     def run_next(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step after the last replay, for the same rows (`holds`): their tokens `input_ids` [N] (the last

@@ -288,13 +288,16 @@ def test_decode_graph_argmax_serves_all_greedy_steps(tiny_checkpoint, tiny_model
 
 
 def test_decode_graph_leaves_the_next_steps_inputs(tiny_checkpoint, tiny_model, tiny_tokenizer) -> None:
-    """A decode graph (run eagerly) loaded from the host for 3 rows of bucket 4 leaves the next step's inputs in its
-    block: its argmax as the tokens, positions one on, the slots; the padding row stays zero. `rewind` puts the
-    positions back; the step after replays with no copy and moves them on again."""
+    """Every bucket's static rows are 16-byte aligned. A decode graph (run eagerly) loaded from the host for 3 rows of
+    bucket 4 leaves the next step's inputs in its block: its argmax as the tokens, positions one on, the slots; the
+    padding row stays zero. `rewind` puts the positions back; the step after replays with no copy and moves them on
+    again."""
     import numpy as np
 
     engine, counts = graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False)
     graphs = engine.runner.graph_runner
+    # every bucket's rows 16-byte aligned, bucket 1's too (Triton specializes on it)
+    assert all(t.data_ptr() % 16 == 0 for B in graphs.batch_sizes for t in graphs.inputs(B))
     host = np.array([[7, 9, 11], [3, 0, 5], [1, 2, 4]], dtype=np.int64)  # token ids, positions, slots
     logits, used, slots = graphs.run_host(host)
     ids, positions, block_slots = graphs.inputs(4)

@@ -56,8 +56,8 @@ def capture_batch_sizes(config: EngineConfig, num_slots: int) -> list[int]:
 
 class GraphRunner:
     """One graph per bucket, all from one stream capture where the driver allows (`_capture_all`), each reading its
-    own static input block `[3, B]` int64 (token ids, positions, state slots: `inputs`), so that a step's inputs from
-    the host reach it in one copy (`run_host`).
+    own static input block of three int64 rows (token ids, positions, and the state slots as int32 in the third row's
+    first half: `inputs`), so that a step's inputs from the host reach it in one copy (`run_host`).
 
     A batch of N sequences replays the smallest bucket B ≥ N; rows N..B are padding: slot 0, position 0, token 0, so
     they write only the reserved slot 0 and nothing in the K/V caches (`slot_mapping` −1). Logits land in one static
@@ -79,6 +79,7 @@ class GraphRunner:
         # [3, b rounded up to even]: each row 16-byte aligned, as Triton specializes a kernel on its pointers'
         # alignment (an odd bucket's rows would otherwise build a second variant of every kernel they reach)
         self.blocks = {b: torch.zeros(3, b + b % 2, dtype=torch.int64, device=device) for b in self.batch_sizes}
+        self._host_blocks = {b: np.zeros((3, b + b % 2), dtype=np.int64) for b in self.batch_sizes}  # `run_host`'s
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
         self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
         self.used_positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: the last replay's positions
@@ -96,9 +97,10 @@ class GraphRunner:
         return next(b for b in self.batch_sizes if b >= num_seqs)
 
     def inputs(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Bucket B's static (token ids, positions, state slots), [B] int64 each: rows of its block."""
-        ids, positions, slots = self.blocks[B][:, :B].unbind(0)
-        return ids, positions, slots
+        """Bucket B's static token ids [B] int64, positions [B] int64 and state slots [B] int32 (the int32 the model's
+        ops take: int64 slots would cost the graph a cast): views of its block."""
+        block = self.blocks[B]
+        return block[0, :B], block[1, :B], block[2].view(torch.int32)[:B]
 
     def _step(self, B: int) -> None:
         input_ids, positions, state_indices = self.inputs(B)
@@ -120,8 +122,8 @@ class GraphRunner:
         torch.cuda.synchronize()
 
     def _hold(self, state_indices: torch.Tensor, N: int, B: int) -> _HeldInputs:
-        block = self.blocks[B]
-        held = _HeldInputs(state_indices, block[0, :N], block[1, :N], self.used_positions[:N], self.logits[:N],
+        input_ids, positions, _ = self.inputs(B)
+        held = _HeldInputs(state_indices, input_ids[:N], positions[:N], self.used_positions[:N], self.logits[:N],
                            self.graphs[B])  # fmt: skip
         self._held = held
         return held
@@ -132,28 +134,29 @@ class GraphRunner:
         N = input_ids.shape[0]
         B = self.bucket(N)
         held = self._hold(state_indices, N, B)
-        block = self.blocks[B]
         held.input_ids.copy_(input_ids)
         held.positions.copy_(positions)
-        block[2, :N].copy_(state_indices)
+        slots = self.inputs(B)[2]
+        slots[:N].copy_(state_indices)
         if B > N:
-            block[:, N:].zero_()
+            self.blocks[B][:2, N:].zero_()
+            slots[N:].zero_()
         held.graph.replay()
         return held.logits
 
     def run_host(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A step's inputs from the host, rows [3, N] int64 (token ids, positions, slots; N ≤ max bucket), padded to
-        the bucket and loaded by one copy through the runner's upload ring, then the replay. Returns (logits [N, V],
-        positions [N], state slots [N]): views of the static buffers, valid until the next replay."""
+        """A step's inputs from the host, rows [3, N] int64 (token ids, positions, slots; N ≤ max bucket), laid out
+        as the bucket's block (padding zero, the slots as int32) and loaded by one copy through the runner's upload
+        ring, then the replay. Returns (logits [N, V], positions [N] int64, state slots [N] int32): views of the
+        static buffers, valid until the next replay."""
         N = rows.shape[1]
         B = self.bucket(N)
-        block = self.blocks[B]
-        if block.shape[1] > N:  # (np.pad takes ~10 µs on this project's CPU: a plain copy well under 1)
-            padded = np.zeros(block.shape, dtype=np.int64)
-            padded[:, :N] = rows
-            rows = padded
-        self.runner.uploads.copy_into(block, rows)
-        held = self._hold(self.blocks[B][2, :N], N, B)
+        host = self._host_blocks[B]  # reused: `copy_into` stages it in the ring before returning
+        host.fill(0)
+        host[:2, :N] = rows[:2]
+        host[2].view(np.int32)[:N] = rows[2]
+        self.runner.uploads.copy_into(self.blocks[B], host)
+        held = self._hold(self.inputs(B)[2][:N], N, B)
         held.graph.replay()
         return held.logits, held.used_positions, held.state_indices
 

@@ -291,7 +291,7 @@ def test_decode_graph_leaves_the_next_steps_inputs(tiny_checkpoint, tiny_model, 
     """Every bucket's static rows are 16-byte aligned. A decode graph (run eagerly) loaded from the host for 3 rows of
     bucket 4 leaves the next step's inputs in its block: its argmax as the tokens, positions one on, the slots; the
     padding row stays zero. `rewind` puts the positions back; the step after replays with no copy and moves them on
-    again."""
+    again. A row that was real in the last step and is padding in the next is zeroed, from the host or the device."""
     import numpy as np
 
     engine, counts = graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False)
@@ -304,6 +304,7 @@ def test_decode_graph_leaves_the_next_steps_inputs(tiny_checkpoint, tiny_model, 
     assert used.tolist() == [3, 0, 5] and slots.tolist() == [1, 2, 4] and graphs.holds(slots)
     assert torch.equal(ids[:3], logits.argmax(dim=-1)) and torch.equal(ids[:3], graphs.greedy[:3])
     assert positions.tolist() == [4, 1, 6, 0] and block_slots.tolist() == [1, 2, 4, 0] and ids[3] == 0
+    assert slots.dtype == block_slots.dtype == torch.int32  # what the model's ops take: no cast in the graph
     graphs.rewind(4)
     assert positions.tolist() == [3, 0, 5, 0]
     positions[:3] += 1
@@ -312,3 +313,7 @@ def test_decode_graph_leaves_the_next_steps_inputs(tiny_checkpoint, tiny_model, 
     assert counts == {"replays": 2, "next": 1, "draws": 0}
     with pytest.raises(ValueError, match="held rows"):
         graphs.run_next(graphs.greedy[:2])
+    # four rows from the host, then three from the device in the same bucket: the fourth becomes padding again
+    graphs.run_host(np.array([[1, 2, 3, 4], [6, 7, 8, 9], [1, 2, 4, 5]], dtype=np.int64))
+    graphs.run(torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]), torch.tensor([1, 2, 4], dtype=torch.int32))
+    assert positions.tolist() == [11, 12, 13, 0] and block_slots.tolist() == [1, 2, 4, 0] and ids[3] == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -292,8 +293,6 @@ def test_decode_graph_leaves_the_next_steps_inputs(tiny_checkpoint, tiny_model, 
     bucket 4 leaves the next step's inputs in its block: its argmax as the tokens, positions one on, the slots; the
     padding row stays zero. `rewind` puts the positions back; the step after replays with no copy and moves them on
     again. A row that was real in the last step and is padding in the next is zeroed, from the host or the device."""
-    import numpy as np
-
     engine, counts = graphed_engine(tiny_checkpoint, tiny_model, tiny_tokenizer, overlap=False)
     graphs = engine.runner.graph_runner
     # every bucket's rows 16-byte aligned, bucket 1's too (Triton specializes on it)

@@ -12,8 +12,10 @@ import torch
 
 from jetserve import envs
 from jetserve.engine.config import EngineConfig
+from jetserve.engine.cuda_graph import GraphRunner
 from jetserve.engine.engine import LLMEngine
 from jetserve.ops.backend import set_backend
+from jetserve.ops.decode_inputs import kernels as decode_inputs_kernels
 from jetserve.ops.feature_ring import store as feature_ring_store
 from jetserve.ops.gated_delta_rule import chunk as delta_rule_chunk
 from jetserve.ops.jet_mixer import decode as jet_mixer_decode
@@ -31,13 +33,22 @@ def draft_dir(tiny_checkpoint, tmp_path_factory):
     return str(make_draft_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("draft"), seed=2, draft_vocab_size=200))
 
 
+class _EagerGraph:
+    """A captured graph's stand-in off the GPU: `replay` runs the captured body on the static buffers."""
+
+    def __init__(self, body) -> None:
+        self.replay = body
+
+
 def generate(
-    tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str, padded=None, **engine_args
+    tiny_checkpoint, tiny_model, backend: str, prompts, mode: str, draft_dir: str, padded=None, decode_graphs=None,
+    **engine_args,
 ):  # fmt: skip
     """(greedy tokens per request, the draft's feature ring and last hidden states or None). mode: "plain" (no
     draft), "verify" (a chain draft verified at every step) or "ready" (a draft kept ready while the policy decodes
     plainly: features into the ring, catch-ups). `padded` (buckets, max sequences): PREFILL steps padded as a prefill
-    graph's (`engine.prefill_graph`), run eagerly."""
+    graph's (`engine.prefill_graph`), run eagerly. `decode_graphs` (buckets): DECODE steps through a `GraphRunner`
+    whose graphs run their bodies eagerly on its static buffers."""
     spec = dict(draft=draft_dir, spec_topk=1, spec_steps=2, spec_feature_ring=4) if mode != "plain" else {}
     set_backend(backend)
     try:
@@ -45,6 +56,10 @@ def generate(
         engine = LLMEngine(config, model=tiny_model, tokenizer=None)
         if padded is not None:
             engine.runner.use_prefill_graphs(*padded, capture=False)
+        if decode_graphs is not None:
+            graphs = GraphRunner(engine.runner, decode_graphs)
+            graphs.graphs = {B: _EagerGraph(lambda B=B: graphs._step(B)) for B in graphs.batch_sizes}
+            engine.runner.graph_runner = graphs
         if mode != "plain":
             engine.spec.policy.forced_option = 0 if mode == "verify" else -1
         for i, prompt in enumerate(prompts):
@@ -139,3 +154,26 @@ def test_padded_prefill_steps_on_the_triton_ops(tiny_checkpoint, tiny_model, dra
                 torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
     # Every padded step's table continues (a graph's never says fresh), and none is read back.
     assert seen["continuing"] > 0 and seen["fresh"] == 0 and seen["none: cu_seqlens read back"] == 0, seen
+
+
+@pytest.mark.parametrize("mode", ["plain", "ready"])
+def test_decode_graph_path_on_the_triton_ops(tiny_checkpoint, tiny_model, draft_dir, monkeypatch, mode):
+    """Decode steps through the graph path (`GraphRunner`, buckets 1, 2 and 4, bodies run eagerly) on the Triton ops:
+    three prompts in bucket 4 with a padding row, then two and one as they finish. The steps' inputs come from the
+    host in one block (`run_host`: the slots as int32 in an int64 row) or are left by the step before
+    (`advance_decode_inputs`, launched at the end of every body; steps launched ahead only replay), and the tokens and
+    the draft's ring are the reference engine's without graphs."""
+    calls = collections.Counter()
+    advance = decode_inputs_kernels.advance_decode_inputs
+    monkeypatch.setattr(decode_inputs_kernels, "advance_decode_inputs",
+                        lambda *a: calls.update(["advance"]) or advance(*a))  # fmt: skip
+    gen = torch.Generator().manual_seed(10)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 5, 3)]
+    want, want_draft = generate(tiny_checkpoint, tiny_model, "reference", prompts, mode, draft_dir)
+    assert not calls
+    got, got_draft = generate(tiny_checkpoint, tiny_model, "triton", prompts, mode, draft_dir, decode_graphs=[1, 2, 4])
+    assert got == want and all(len(tokens) == 6 for tokens in got.values())
+    assert calls["advance"] >= 5  # every decode step of the three requests went through a graph body
+    if mode != "plain":  # every slot's but the padding slot's, which the padded row writes
+        for a, b in zip(got_draft, want_draft, strict=True):
+            torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)

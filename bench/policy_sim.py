@@ -21,7 +21,7 @@ One JSON line per scenario with --json.
 Usage: python bench/policy_sim.py [--tau 1,1] [--slow-factor 5] [--fast-steps 600] [--slow-steps 20]
        [--plain-host-ms 0.15] [--later-tau 5.2,3.4] [--accept-rate 0,0.8]
        [--policy AdaptivePolicy|ConfirmedSwitchPolicy|FreshExplorationPolicy|VerifiedExplorationPolicy|module:Class]
-       [--shadow] [--first-guesses [--request-len N]]
+       [--shadow [--shadow-host-ms MS]] [--first-guesses [--request-len N]]
        [--json FILE]
 """
 
@@ -133,11 +133,16 @@ def host_factors(steps: int, fast: int, slow: int, factor: float, seed: int) -> 
     return out[:steps]
 
 
-def step_ms(option: int, host: float, ahead: bool, plain: tuple[float, float] = PLAIN, shadow: bool = False) -> float:
-    """A step's ms; `shadow`: a plain step that also runs `option`'s draft graph (a shadow exploration)."""
+def step_ms(
+    option: int, host: float, ahead: bool, plain: tuple[float, float] = PLAIN, shadow: bool = False,
+    shadow_host_ms: float = 0.0,
+) -> float:  # fmt: skip
+    """A step's ms; `shadow`: a plain step that also runs `option`'s draft graph (a shadow exploration), and
+    `shadow_host_ms` more of host time (its catch-up's and draft's launches, the trees' read-back)."""
     gpu, host_ms = plain if option < 0 or shadow else SHAPES[option][1:]
     if shadow:
         gpu += DRAFT_GPU_MS[option]
+        host_ms += shadow_host_ms
     return max(gpu, host_ms * host) if ahead else gpu + host_ms * host
 
 
@@ -145,6 +150,7 @@ def simulate(
     taus: list[float], factors: list[float], policy_cls: type = AdaptivePolicy, batch: int = 1,
     plain: tuple[float, float] = PLAIN, later_taus: list[float] | None = None, accept_rates: list[float] | None = None,
     seed: int = 0, shadow: bool = False, first_guesses: bool = False, request_len: int | None = None,
+    shadow_host_ms: float = 0.0,
 ) -> dict:  # fmt: skip
     """One run: the policy chooses every step of the host's `factors`; returns the speed-up over plain decoding, the
     oracle's, and each option's share of the steps. `plain`: (GPU, host) ms of a plain step; `later_taus`: the
@@ -160,10 +166,11 @@ def simulate(
     plain decoding's rate, runs as plain steps that also draft, unverified — the drafts are compared with the tokens
     plain decoding then emits (exact for greedy requests) — so a step costs a plain step plus the draft graph and
     yields one token; the policy gets the acceptance the drafts would have had (here at once, in the engine a
-    shape's depth in steps later) and counts the step at the shape's median time (`record_shadow_step`). Not
-    modelled: the draft's catch-up that each shadow step also runs (a whole draft forward; session 55 on an H100 put
-    the engine's shadow explorations at parity with verified ones, 0.932x / 0.931x at batch 1 with wrong drafts,
-    where this model gives shadows a 1% lead); the first step of such a run is charged as one
+    shape's depth in steps later) and counts the step at the shape's median time (`record_shadow_step`). The
+    draft's catch-up that each shadow step also runs, its launches and the trees' read-back are `shadow_host_ms` of
+    host time (default 0: session 58 measured a shadow step's engine call at 0.597 ms against a plain call's 0.143 on
+    an H100, so ~0.3 beyond the draft graph; with 0, this model gave shadows a 1% lead over verified explorations where
+    session 55 measured parity); the first step of such a run is charged as one
     started with the pipeline empty, as a switch of option is (the engine's keeps the pipeline running): a
     pessimistic simplification.
 
@@ -225,7 +232,7 @@ def simulate(
             policy.record_acceptance(option, [accepted] * batch)
         ahead = k > 0 and chosen[k - 1] == option
         if shadowed:  # what runs instead: a plain step and the draft, one token, timed at the shape's median
-            ms, step_tokens = step_ms(option, host, ahead, plain, shadow=True), 1.0
+            ms, step_tokens = step_ms(option, host, ahead, plain, shadow=True, shadow_host_ms=shadow_host_ms), 1.0
             policy.record_shadow_step(option, batch)
         else:
             ms = step_ms(option, host, ahead, plain)
@@ -293,6 +300,8 @@ def main() -> None:
                    "or module:Class")  # fmt: skip
     p.add_argument("--shadow", action="store_true", help="explorations begun while plain is best run as plain steps "
                    "that also draft, unverified (the engine's shadow explorations; see `simulate`)")  # fmt: skip
+    p.add_argument("--shadow-host-ms", type=float, default=0.0, help="with --shadow: host ms a shadow step costs "
+                   "beyond a plain step and its draft graph (catch-up, launches, read-back; ~0.3: H100)")  # fmt: skip
     p.add_argument("--first-guesses", action="store_true", help="the draft's first guesses scored every RING steps "
                    "(`AdaptivePolicy.record_first_guesses`; see `simulate`)")  # fmt: skip
     p.add_argument(
@@ -305,6 +314,8 @@ def main() -> None:
     args = p.parse_args()
     if args.request_len is not None and (args.request_len < 1 or not args.first_guesses):
         p.error("--request-len: a positive count of tokens, with --first-guesses")
+    if args.shadow_host_ms < 0 or (args.shadow_host_ms and not args.shadow):
+        p.error("--shadow-host-ms: a non-negative ms, with --shadow")
     taus = [float(t) for t in args.tau.split(",")]
     later = [float(t) for t in args.later_tau.split(",")] if args.later_tau else None
     accept_rates = None
@@ -320,7 +331,8 @@ def main() -> None:
                    for seed in range(args.seeds)]  # fmt: skip
         plain = (PLAIN[0], args.plain_host_ms)
         runs = [simulate(taus, f, policy_cls, plain=plain, later_taus=later, accept_rates=accept_rates, seed=seed,
-                         shadow=args.shadow, first_guesses=args.first_guesses, request_len=args.request_len)
+                         shadow=args.shadow, first_guesses=args.first_guesses, request_len=args.request_len,
+                         shadow_host_ms=args.shadow_host_ms)
                 for seed, f in enumerate(factors)]  # fmt: skip
         mean = {key: sum(r[key] for r in runs) / len(runs) for key in ("speedup", "oracle_speedup")}
         shares = {name: sum(r["shares"][name] for r in runs) / len(runs) for name in runs[0]["shares"]}
@@ -328,7 +340,7 @@ def main() -> None:
               f"{shares['1x7']:>6.1%} {shares['1x3']:>6.1%}")  # fmt: skip
         if args.json:
             row = {"policy": args.policy, "shadow": args.shadow, "first_guesses": args.first_guesses,
-                   "request_len": args.request_len, "tau": taus,
+                   "request_len": args.request_len, "shadow_host_ms": args.shadow_host_ms, "tau": taus,
                    "later_tau": later,
                    "accept_rate": accept_rates,
                    "plain_host_ms": args.plain_host_ms,

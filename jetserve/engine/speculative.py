@@ -230,6 +230,7 @@ class AdaptivePolicy:
     """
 
     max_explore_every = MAX_EXPLORE_EVERY  # the longest exploration interval (a class attribute: variants set theirs)
+    first_guess_max_age = FIRST_GUESS_MAX_AGE  # steps a scored first guess counts for (likewise)
     # A settled plain stretch answers and times its steps through `_Settled` (a few attribute reads a step, where the
     # full bookkeeping cost the speculating engine's host-bound plain step ~4.5 µs: session 48). Variants that read the
     # tables between their own steps turn it off.
@@ -445,7 +446,7 @@ class AdaptivePolicy:
         """An upper (or `lower`) bound, at confidence 1 − EXPLORE_STOP_RISK (Hoeffding), on the share of positions
         whose first guess is right, from the scored window less what is older than FIRST_GUESS_MAX_AGE steps; None
         when that leaves none."""
-        oldest = self.clock() - FIRST_GUESS_MAX_AGE
+        oldest = self.clock() - self.first_guess_max_age
         while self.first_guesses and self.first_guesses[0][2] < oldest:
             self._drop_oldest_guesses()
         right, scored = self.first_guess_totals

@@ -147,9 +147,28 @@ def test_first_guesses_with_requests_shorter_than_the_ring_still_follow_drafts_t
     assert wrong["speedup"] > 0.99 and wrong["shares"]["plain"] > 0.99
 
 
-@pytest.mark.parametrize("args", [["--request-len", "0", "--first-guesses"], ["--request-len", "96"]])
-def test_request_len_without_guesses_or_positive_count_is_a_one_line_error(args):
+def test_a_shadow_steps_host_time_is_charged(tmp_path):
+    """`--shadow-host-ms`: the host time a shadow step costs beyond a plain step and its draft graph (its catch-up,
+    launches and the trees' read-back) slows the wrong drafts' run by about what its shadow steps add, and is
+    recorded."""
+    free, _ = simulate(tmp_path, "--tau", "1,1", "--shadow")
+    charged, _ = simulate(tmp_path, "--tau", "1,1", "--shadow", "--shadow-host-ms", "0.3")
+    assert free["shadow_host_ms"] == 0.0 and charged["shadow_host_ms"] == 0.3
+    assert charged["shares"]["plain"] == pytest.approx(free["shares"]["plain"], abs=0.002)
+    assert free["speedup"] - 0.05 < charged["speedup"] < free["speedup"] - 0.001
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--request-len", "0", "--first-guesses"], "--request-len"),
+        (["--request-len", "96"], "--request-len"),
+        (["--shadow-host-ms", "0.3"], "--shadow-host-ms"),
+        (["--shadow", "--shadow-host-ms", "-1"], "--shadow-host-ms"),
+    ],
+)
+def test_bad_option_combinations_are_a_one_line_error(args, flag):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "bench/policy_sim.py", *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
-    assert run.returncode == 2 and "--request-len" in run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and flag in run.stderr.strip().splitlines()[-1]

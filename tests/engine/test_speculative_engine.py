@@ -1276,6 +1276,21 @@ def test_first_guesses_older_than_their_age_rule_nothing_out():
     assert policy.first_guess_bound() is None and not policy.cannot_win(0, 1)
 
 
+def test_a_policy_variant_sets_how_long_first_guesses_count():
+    """`first_guess_max_age` (a class attribute, as `max_explore_every`, for bench/policy_sim.py's candidates): a
+    variant's guesses outlive the engine's age."""
+
+    class LongMemory(AdaptivePolicy):
+        first_guess_max_age = 2 * FIRST_GUESS_MAX_AGE
+
+    for cls, kept in ((AdaptivePolicy, 0), (LongMemory, 256)):
+        policy = cls([DraftShape(topk=1, num_steps=3, num_draft_tokens=4)], adaptive=True)
+        policy.record_first_guesses(0, 256)  # at clock 0
+        policy.bucket_steps[1] = FIRST_GUESS_MAX_AGE + 1
+        policy.first_guess_bound()
+        assert policy.first_guess_totals == [0, kept], cls.__name__
+
+
 def test_accepted_along_follows_the_emitted_tokens_down_the_tree():
     """Greedy acceptance from the tokens plain decoding emitted: the path from the root (node 0) whose node tokens
     match them, one depth a token, stopping at the first token no child holds."""

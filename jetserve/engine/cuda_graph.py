@@ -80,6 +80,8 @@ class GraphRunner:
         # alignment (an odd bucket's rows would otherwise build a second variant of every kernel they reach)
         self.blocks = {b: torch.zeros(3, b + b % 2, dtype=torch.int64, device=device) for b in self.batch_sizes}
         self._host_blocks = {b: np.zeros((3, b + b % 2), dtype=np.int64) for b in self.batch_sizes}  # `run_host`'s
+        # each bucket's (token ids, positions, slots) views of its block, made once (`inputs`: every step reads them)
+        self._views = {b: (blk[0, :b], blk[1, :b], blk[2].view(torch.int32)[:b]) for b, blk in self.blocks.items()}
         self.logits = torch.zeros(B, runner.config.vocab_size, dtype=torch.float32, device=device)  # [B, V]
         self.greedy = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: each row's argmax of `logits`
         self.used_positions = torch.zeros(B, dtype=torch.int64, device=device)  # [B]: the last replay's positions
@@ -99,8 +101,7 @@ class GraphRunner:
     def inputs(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Bucket B's static token ids [B] int64, positions [B] int64 and state slots [B] int32 (the int32 the model's
         ops take: int64 slots would cost the graph a cast): views of its block."""
-        block = self.blocks[B]
-        return block[0, :B], block[1, :B], block[2].view(torch.int32)[:B]
+        return self._views[B]
 
     def _step(self, B: int) -> None:
         input_ids, positions, state_indices = self.inputs(B)
@@ -156,7 +157,7 @@ class GraphRunner:
         host[:2, :N] = rows[:2]
         host[2].view(np.int32)[:N] = rows[2]
         self.runner.uploads.copy_into(self.blocks[B], host)
-        held = self._hold(self.inputs(B)[2][:N], N, B)
+        held = self._hold(self.inputs(B)[2][:N], N, B)  # a new view each call: `holds` tells launches apart by it
         held.graph.replay()
         return held.logits, held.used_positions, held.state_indices
 
